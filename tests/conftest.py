@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny random Qwen3 checkpoints (real config.json, safetensors and Qwen3
+tokenizer) and engine outputs, each built once per session.
+
+Engines run through `python -m vllm_pypto.tools.generate` in a subprocess: one engine per
+configuration, all prompts at once, so each costs one start-up (~45 s on 2 cores) and
+nothing leaks between configurations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vllm_pypto.tools.make_checkpoint import make_checkpoint
+
+PROMPTS = ["介绍一下北京故宫", "The capital of France is", "请写一首关于春天的诗",
+           "Explain how a transformer language model works.", "今天天气很好，我们去",
+           "Once upon a time, in a small village"]
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+@pytest.fixture(scope="session")
+def ckpt_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="session")
+def tiny_w8a8(ckpt_root) -> str:
+    """compressed-tensors W8A8, bf16 scales on disk (what llm-compressor writes)."""
+    return make_checkpoint(str(ckpt_root / "tiny-w8a8"), "tiny", "w8a8", seed=0, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16(ckpt_root) -> str:
+    """The same model (same seed) as plain bf16: quantized at load under pypto-a8w8."""
+    return make_checkpoint(str(ckpt_root / "tiny-bf16"), "tiny", "bf16", seed=0, progress=False)
+
+
+def run_generate(model: str, out: str, *args: str, env: dict | None = None, max_tokens: int = 48,
+                 prompts: list[str] = PROMPTS, timeout: float = 900) -> dict:
+    prompts_file = out + ".prompts.json"
+    with open(prompts_file, "w") as f:
+        json.dump(prompts, f, ensure_ascii=False)
+    cmd = [sys.executable, "-m", "vllm_pypto.tools.generate", "--model", model, "--prompts-json", prompts_file,
+           "--max-tokens", str(max_tokens), "--out", out, *args]
+    r = subprocess.run(cmd, env={**os.environ, **ENV, **(env or {})}, capture_output=True, text=True,
+                       timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def out_w8a8(tiny_w8a8, tmp_path_factory):
+    """pypto-a8w8 on the W8A8 checkpoint."""
+    return run_generate(tiny_w8a8, str(tmp_path_factory.mktemp("gen") / "w8a8.json"), "--quantization", "pypto-a8w8")
+
+
+@pytest.fixture(scope="session")
+def out_bf16_ref(tiny_bf16, tmp_path_factory):
+    """Stock vLLM, no quantization, on the bf16 checkpoint: the bf16 reference."""
+    return run_generate(tiny_bf16, str(tmp_path_factory.mktemp("gen") / "bf16.json"))
+
+
+@pytest.fixture(scope="session")
+def out_bf16_quantized(tiny_bf16, out_bf16_ref, tmp_path_factory):
+    """pypto-a8w8 quantizing the bf16 checkpoint at load; also teacher-forces the bf16
+    reference's greedy continuations in the same engine."""
+    d = tmp_path_factory.mktemp("gen")
+    items = [{"prompt_token_ids": r["prompt_token_ids"], "token_ids": r["token_ids"]} for r in out_bf16_ref["results"]]
+    with open(d / "score.json", "w") as f:
+        json.dump(items, f)
+    return run_generate(tiny_bf16, str(d / "q.json"), "--quantization", "pypto-a8w8", "--score-json",
+                        str(d / "score.json"))

@@ -1,0 +1,108 @@
+"""The A8W8 linear method: what vLLM's Linear layers (qkv, o, gate_up, down, in every
+tensor-parallel flavour) hold and run under pypto-a8w8.
+
+Parameters use vLLM's own parameter classes, so packed modules (qkv_proj,
+gate_up_proj) and tensor parallelism load by vLLM's rules: column-parallel layers
+split weight and weight_scale by output channel, row-parallel ones split the weight
+by input channel and keep every scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn import Parameter
+
+from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
+from vllm.model_executor.parameter import ChannelQuantScaleParameter, ModelWeightParameter
+
+from ..checkpoint import FLOAT_DTYPES, SCALE_DTYPES, CheckpointError
+from ..kernels import get_backend
+from ..kernels.reference import quantize_weight_per_channel
+
+
+@register_weight_loader_v2_supported_method
+class PyptoA8W8LinearMethod(LinearMethodBase):
+    """source_int8: the checkpoint stores int8 + weight_scale (else a float weight,
+    quantized here at load). run_bf16: keep or dequantize to bf16 and use F.linear
+    (the named upstream-comparison option, flag bf16_down_proj)."""
+
+    def __init__(self, prefix: str, source_int8: bool, run_bf16: bool = False):
+        self.prefix, self.source_int8, self.run_bf16 = prefix, source_int8, run_bf16
+        self.backend = None if run_bf16 else get_backend()
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
+                       output_size, params_dtype, **extra_weight_attrs):
+        loader = self._checked_loader(layer, extra_weight_attrs["weight_loader"])
+        rows = sum(output_partition_sizes)
+        layer.logical_widths = output_partition_sizes
+        layer._pypto_loaded = {"weight": set(), "weight_scale": set()}
+        wdtype = torch.int8 if self.source_int8 else params_dtype
+        layer.register_parameter("weight", ModelWeightParameter(
+            data=torch.empty(rows, input_size_per_partition, dtype=wdtype),
+            input_dim=1, output_dim=0, weight_loader=loader))
+        if self.source_int8:
+            layer.register_parameter("weight_scale", ChannelQuantScaleParameter(
+                data=torch.empty(rows, 1, dtype=torch.float32), output_dim=0, weight_loader=loader))
+
+    def _checked_loader(self, layer, inner):
+        """vLLM's loader, plus the dtype check and a message naming the tensor."""
+        def load(param, loaded_weight, *args, **kwargs):
+            pname = "weight_scale" if param is getattr(layer, "weight_scale", None) else "weight"
+            shard = args[0] if args else kwargs.get("loaded_shard_id")
+            where = f"{self.prefix}.{pname}" + (f" (shard {shard})" if shard is not None else "")
+            allowed = SCALE_DTYPES if pname == "weight_scale" else (
+                (torch.int8,) if self.source_int8 else FLOAT_DTYPES)
+            if loaded_weight.dtype not in allowed:
+                raise CheckpointError(f"{where}: checkpoint tensor has dtype {loaded_weight.dtype}, "
+                                      f"expected one of {[str(d) for d in allowed]}")
+            if pname == "weight_scale" and loaded_weight.dim() == 1:
+                loaded_weight = loaded_weight.unsqueeze(1)  # [out] on disk is fine too
+            try:
+                inner(param, loaded_weight, *args, **kwargs)
+            except AssertionError as e:
+                raise CheckpointError(f"{where}: checkpoint tensor of shape {list(loaded_weight.shape)} does "
+                                      f"not fit the parameter of shape {list(param.shape)}") from e
+            layer._pypto_loaded[pname].add(shard)
+        return load
+
+    def _check_loaded(self, layer, pname: str) -> None:
+        loaded = layer._pypto_loaded[pname]
+        if None in loaded or len(loaded) >= len(layer.logical_widths):
+            return
+        raise CheckpointError(f"{self.prefix}.{pname}: the checkpoint did not provide it "
+                              f"(loaded shards: {sorted(map(str, loaded)) or 'none'})")
+
+    def process_weights_after_loading(self, layer) -> None:
+        self._check_loaded(layer, "weight")
+        weight = layer.weight.data
+        if self.source_int8:
+            self._check_loaded(layer, "weight_scale")
+            scale = layer.weight_scale.data.view(-1)
+            bad = ~torch.isfinite(scale) | (scale <= 0)
+            if bad.any():
+                raise CheckpointError(f"{self.prefix}.weight_scale: {int(bad.sum())} scale(s) are not finite "
+                                      f"and positive (first at channel {int(bad.nonzero()[0, 0])})")
+            del layer.weight_scale
+        if self.run_bf16:
+            bf16 = (weight.float() * scale.unsqueeze(1)) if self.source_int8 else weight
+            layer.weight = Parameter(bf16.to(torch.bfloat16), requires_grad=False)
+            layer._pypto_packed = None
+            return
+        if not self.source_int8:
+            try:
+                weight, scale = quantize_weight_per_channel(weight)
+            except ValueError as e:
+                raise CheckpointError(f"{self.prefix}.weight: {e}") from e
+        del layer.weight
+        packed = self.backend.prepack(weight, scale)
+        for name, tensor in packed.items():
+            layer.register_parameter(name, Parameter(tensor, requires_grad=False))
+        layer._pypto_packed = tuple(packed)
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer._pypto_packed is None:
+            out = F.linear(x, layer.weight)
+        else:
+            out = self.backend.linear(x, {n: getattr(layer, n) for n in layer._pypto_packed})
+        return out if bias is None else out + bias

@@ -1,0 +1,82 @@
+"""Start and stop a real `vllm serve` process (used by the demo, the tests and the
+benchmarks): free port, wait for /health, keep its log, stop it cleanly."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_command() -> str:
+    """The `vllm` console script of this interpreter's environment."""
+    here = os.path.join(os.path.dirname(sys.executable), "vllm")
+    return here if os.path.exists(here) else (shutil.which("vllm") or "vllm")
+
+
+class VllmServer:
+    def __init__(self, model: str, *args: str, port: int | None = None, env: dict | None = None,
+                 startup_timeout: float = 600.0):
+        self.model, self.args, self.port = model, list(args), port or free_port()
+        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                    **(env or {})}
+        self.startup_timeout = startup_timeout
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-serve-", suffix=".log", delete=False)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, n: int = 60) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+
+    def start(self) -> "VllmServer":
+        cmd = [vllm_command(), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        deadline = time.time() + self.startup_timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self.healthy():
+                return self
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"vllm serve not healthy after {self.startup_timeout:.0f}s:\n{self.log_tail()}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
