@@ -62,6 +62,13 @@ def out_w8a8(tiny_w8a8, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def out_w8a8_reference_backend(tiny_w8a8, tmp_path_factory):
+    """The same engine on the torch reference backend (the default is the native one where it runs)."""
+    return run_generate(tiny_w8a8, str(tmp_path_factory.mktemp("gen") / "w8a8-ref.json"), "--quantization",
+                        "pypto-a8w8", env={"VLLM_PYPTO_BACKEND": "reference"}, max_tokens=16)
+
+
+@pytest.fixture(scope="session")
 def out_bf16_ref(tiny_bf16, tmp_path_factory):
     """Stock vLLM, no quantization, on the bf16 checkpoint: the bf16 reference."""
     return run_generate(tiny_bf16, str(tmp_path_factory.mktemp("gen") / "bf16.json"))

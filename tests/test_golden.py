@@ -31,6 +31,7 @@ import torch
 
 from golden_qwen3 import GoldenQwen3
 from conftest import run_generate
+from vllm_pypto.kernels import native_cpu_status
 
 DELTA = 0.5      # logits (the checkpoint's logit std is 2): two logits each off by up to 0.25
 MEAN_TOL = 0.12  # nats
@@ -93,6 +94,17 @@ def test_bf16_checkpoint_quantized_at_load_matches_golden(out_bf16_quantized, ti
     g = GoldenQwen3(tiny_bf16, a8w8=True)  # the golden quantizes the bf16 weights itself
     check(gate(g, out_bf16_quantized["results"], n))
     check_free_running(g, out_bf16_quantized["results"], n)
+
+
+def test_reference_backend_end_to_end(out_w8a8_reference_backend, out_w8a8, golden_w8a8):
+    """The torch reference backend through the engine: passes the golden gate, and where the
+    native backend is the default, the two are bit-compatible, so tokens and logprobs are equal."""
+    ref = out_w8a8_reference_backend["results"]
+    check(gate(golden_w8a8, ref))
+    if native_cpu_status() is None:
+        for a, b in zip(ref, out_w8a8["results"]):
+            assert a["token_ids"] == b["token_ids"][:16]
+            assert a["logprobs"] == b["logprobs"][:16]
 
 
 def test_golden_agrees_with_stock_vllm_bf16(out_bf16_ref, tiny_bf16):

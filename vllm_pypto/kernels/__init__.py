@@ -4,9 +4,11 @@ A backend turns a loaded int8 weight and its per-channel scales into whatever la
 its kernel wants (`prepack`, once at load) and runs the A8W8 linear on bf16
 activations (`linear`). The numerics contract is `reference.a8w8_linear`.
 
-Backends: `reference` (torch, always there). Native CPU and PyPTO/Ascend backends
-plug in here and are imported lazily, so the serving path never imports what the
-machine cannot run. Choose with VLLM_PYPTO_BACKEND=auto|reference (default auto).
+Backends: `reference` (torch, always there, the golden numerics) and `cpu` (our
+AVX512-VNNI kernels, built with the package). `auto` (the default) takes `cpu` where the
+CPU has VNNI and the extension is built, else `reference` with one warning. A PyPTO/Ascend
+backend plugs in here too, imported lazily, so the serving path never imports what the
+machine cannot run. Choose with VLLM_PYPTO_BACKEND=auto|reference|cpu.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 
 # A child of "vllm" so our lines use vLLM's log format and level.
 logger = logging.getLogger("vllm.pypto")
+
+from . import ops  # noqa: E402,F401  registers torch.ops.pypto.* and the native ops' fake impls
 
 
 class A8W8Backend(ABC):
@@ -52,7 +56,36 @@ class ReferenceBackend(A8W8Backend):
         return torch.ops.pypto.a8w8_linear_ref(x, packed["weight"], packed["weight_scale"])
 
 
-BACKENDS = ("auto", "reference")
+class CpuNativeBackend(A8W8Backend):
+    """Our AVX512-VNNI kernels (csrc/a8w8_cpu.cpp): weights prepacked into 64-channel tiles,
+    per-token quantization fused in front of the GEMM, fp32 epilogue behind it."""
+
+    name = "cpu"
+
+    def isa(self) -> str:
+        return "AVX512-VNNI vpdpbusd (u8 x s8 -> s32), 64-channel weight tiles, fused quant + epilogue"
+
+    def prepack(self, weight, weight_scale):
+        packed, comp = torch.ops.pypto_cpu.prepack(weight)
+        return {"weight_packed": packed, "weight_comp": comp, "weight_scale": weight_scale.float().contiguous()}
+
+    def linear(self, x, packed):
+        return torch.ops.pypto_cpu.a8w8_linear(x, packed["weight_packed"], packed["weight_comp"],
+                                               packed["weight_scale"])
+
+
+def native_cpu_status() -> str | None:
+    """None when the native CPU kernels can run here, else the reason they cannot."""
+    try:
+        from .. import _C
+    except ImportError as e:
+        return f"the native extension vllm_pypto._C is not built ({e})"
+    if not _C.cpu_has_vnni():
+        return "this CPU has no AVX512-VNNI"
+    return None
+
+
+BACKENDS = ("auto", "reference", "cpu")
 
 
 def cpu_isa_flags() -> list[str]:
@@ -70,9 +103,15 @@ def get_backend(name: str | None = None) -> A8W8Backend:
     name = (name or os.environ.get("VLLM_PYPTO_BACKEND", "auto")).strip().lower()
     if name not in BACKENDS:
         raise ValueError(f"VLLM_PYPTO_BACKEND={name!r} is not a backend; choose one of {', '.join(BACKENDS)}")
-    from . import ops  # noqa: F401  registers torch.ops.pypto.*
-
-    backend = ReferenceBackend()
+    backend: A8W8Backend = ReferenceBackend()
+    if name in ("auto", "cpu"):
+        why_not = native_cpu_status()
+        if why_not is None:
+            backend = CpuNativeBackend()
+        elif name == "cpu":
+            raise RuntimeError(f"VLLM_PYPTO_BACKEND=cpu but {why_not}")
+        else:
+            logger.warning("pypto-a8w8: native CPU kernels unavailable (%s); using the reference backend", why_not)
     logger.info("pypto-a8w8: linear layers run on backend=%s (%s); CPU ISA: %s",
                 backend.name, backend.isa(), " ".join(cpu_isa_flags()) or "unknown")
     return backend

@@ -36,3 +36,18 @@ direct_register_custom_op("a8w8_linear_ref", _a8w8_linear_ref, fake_impl=_a8w8_l
                           target_lib=pypto_lib, dispatch_key="CPU")
 direct_register_custom_op("quantize_per_token_ref", _quantize_per_token, fake_impl=_quantize_per_token_fake,
                           target_lib=pypto_lib, dispatch_key="CPU")
+
+
+def _register_native_fakes() -> None:
+    """Shapes of the native CPU ops for torch.compile; they exist only where _C is built."""
+    try:
+        from .. import _C  # noqa: F401  (importing it registers torch.ops.pypto_cpu.*)
+    except ImportError:
+        return
+
+    @torch.library.register_fake("pypto_cpu::a8w8_linear")
+    def _(x, packed, comp, weight_scale):
+        return x.new_empty(*x.shape[:-1], weight_scale.shape[0])
+
+
+_register_native_fakes()

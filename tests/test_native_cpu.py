@@ -1,0 +1,113 @@
+"""The native AVX512-VNNI backend against the reference backend: equal int32 sums and the same
+fp32 epilogue, so outputs must be bit-identical (NaN rows included)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vllm_pypto.kernels import CpuNativeBackend, ReferenceBackend, native_cpu_status
+from vllm_pypto.kernels import reference as ref
+
+pytestmark = pytest.mark.skipif(native_cpu_status() is not None, reason=str(native_cpu_status()))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical, except that NaN payloads may differ (NaN positions may not)."""
+    na, nb = torch.isnan(a), torch.isnan(b)
+    return torch.equal(na, nb) and torch.equal(a.masked_fill(na, 0).view(torch.int16),
+                                               b.masked_fill(nb, 0).view(torch.int16))
+
+
+def _case(M, K, N, seed, mode="normal"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.exp(torch.randn(M, 1, generator=g) * 2)
+    if mode == "special":
+        x[0] = 0                      # all-zero row: amax floor
+        if M > 1:
+            x[1] *= 1e30              # huge magnitude row (finite in bf16)
+        if M > 2:
+            x[2, K // 2] = float("nan")
+        if M > 3:
+            x[3, 0] = float("-inf")
+    w, ws = ref.quantize_weight_per_channel(torch.randn(N, K, generator=g))
+    return x.to(torch.bfloat16), w, ws
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_shapes_bit_identical(seed):
+    g = torch.Generator().manual_seed(1000 + seed)
+    M = int(torch.randint(1, 301, (1,), generator=g))
+    K = int(torch.randint(1, 1500, (1,), generator=g))
+    N = int(torch.randint(1, 700, (1,), generator=g))
+    x, w, ws = _case(M, K, N, seed, "special" if seed % 3 == 0 else "normal")
+    be = CpuNativeBackend()
+    y = be.linear(x, be.prepack(w, ws))
+    r = ReferenceBackend().linear(x, ReferenceBackend().prepack(w, ws))
+    assert y.shape == r.shape == (M, N)
+    assert _same(y, r), f"M={M} K={K} N={N}: max diff {(y.float() - r.float()).abs().max()}"
+
+
+def test_special_rows_follow_the_reference():
+    x, w, ws = _case(6, 130, 70, 7, "special")
+    be = CpuNativeBackend()
+    y = be.linear(x, be.prepack(w, ws))
+    assert (y[0] == 0).all()
+    assert torch.isnan(y[2]).all() and torch.isnan(y[3]).all()
+    assert torch.isfinite(y[[0, 1, 4, 5]]).all()
+    assert _same(y, ref.a8w8_linear(x, w, ws))
+
+
+def test_qwen3_shapes_and_3d_input():
+    for K, N in ((1024, 4096), (3072, 1024), (5120, 7168)):
+        x, w, ws = _case(3, K, N, K)
+        be = CpuNativeBackend()
+        p = be.prepack(w, ws)
+        y = be.linear(x.reshape(1, 3, K), p)
+        assert y.shape == (1, 3, N) and _same(y[0], ref.a8w8_linear(x, w, ws))
+
+
+def test_prepack_round_trip():
+    g = torch.Generator().manual_seed(3)
+    N, K = 150, 37
+    w = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    packed, comp = torch.ops.pypto_cpu.prepack(w)
+    T, G = packed.shape[:2]
+    assert (T, G) == (3, 10) and packed.shape[2] == 256
+    unpacked = packed.view(T, G, 64, 4).permute(0, 2, 1, 3).reshape(T * 64, G * 4)
+    assert torch.equal(unpacked[:N, :K], w)
+    assert (unpacked[N:] == 0).all() and (unpacked[:, K:] == 0).all()
+    assert torch.equal(comp[:N], 128 * w.int().sum(1))
+
+
+def test_empty_batch():
+    x, w, ws = _case(1, 64, 32, 0)
+    be = CpuNativeBackend()
+    assert be.linear(x[:0], be.prepack(w, ws)).shape == (0, 32)
+
+
+def test_traces_under_torch_compile():
+    x, w, ws = _case(5, 96, 40, 1)
+    be = CpuNativeBackend()
+    p = be.prepack(w, ws)
+    f = torch.compile(lambda t: be.linear(t, p) * 2, fullgraph=True, backend="eager")
+    assert _same(f(x), be.linear(x, p) * 2)
+
+
+def test_auto_falls_back_to_reference_with_one_warning():
+    """Without the native extension, `auto` serves on the reference backend and says why."""
+    code = ("import sys, logging; sys.modules['vllm_pypto._C'] = None\n"
+            "logging.basicConfig(level=logging.INFO)\n"
+            "from vllm_pypto.kernels import get_backend\n"
+            "print('BACKEND', get_backend('auto').name, get_backend('auto').name)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "VLLM_PYPTO_BACKEND": "auto"})
+    assert "BACKEND reference reference" in r.stdout, r.stderr[-2000:]
+    assert r.stderr.count("native CPU kernels unavailable") == 1
+    forced = subprocess.run([sys.executable, "-c", code.replace("'auto'", "'cpu'")], capture_output=True,
+                            text=True, timeout=120)
+    assert forced.returncode != 0 and "VLLM_PYPTO_BACKEND=cpu but the native extension" in forced.stderr
