@@ -1,0 +1,134 @@
+"""A8W8 linear kernels side by side on the Qwen3-14B linear shapes, with this machine's DRAM
+read bandwidth measured in the same run.
+
+    python benchmarks/linear.py                 # all shapes, M = 1 4 16 64 256
+    python benchmarks/linear.py --shapes qkv --ms 1,16
+
+Every method reads its weights from DRAM, not cache: each has its own set of weight copies
+totalling well above the L3 size, and consecutive calls rotate through them. Methods, all
+with bf16 activations in and bf16 out (per-token int8 quantization included where int8):
+  ours        vllm_pypto native CPU kernels (AVX512-VNNI)
+  int_mm      torch._int_mm + fp32 rescale (our reference backend)
+  vllm_sgl    vLLM-CPU's int8_scaled_mm_with_quant (its W8A8 path on AMX CPUs)
+  bf16        F.linear on bf16 weights
+GB/s counts weight bytes only (int8: N*K, bf16: 2*N*K); GOPS = 2*M*N*K / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from vllm_pypto.kernels import CpuNativeBackend, ReferenceBackend, native_cpu_status  # noqa: E402
+from vllm_pypto.kernels.reference import quantize_weight_per_channel  # noqa: E402
+
+SHAPES = {"qkv": (7168, 5120), "o": (5120, 5120), "gate_up": (34816, 5120), "down": (5120, 17408)}
+ROTATE_BYTES = 1.5 * 2**30  # > 3x the 480 MiB L3 of this machine
+
+
+def dram_read_gbs(seconds: float = 3.0) -> float:
+    """Streaming read bandwidth: sum over float32 buffers rotating through ~1.5 GiB."""
+    bufs = [torch.ones(64 * 2**20) for _ in range(6)]  # 6 x 256 MiB
+    for b in bufs:
+        b.sum()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        bufs[n % len(bufs)].sum()
+        n += 1
+    return n * bufs[0].numel() * 4 / (time.perf_counter() - t0) / 1e9
+
+
+def methods() -> dict:
+    out = {}
+    if native_cpu_status() is None:
+        be = CpuNativeBackend()
+        out["ours"] = (lambda w, s: be.prepack(w, s), be.linear, 1)
+    ref = ReferenceBackend()
+    out["int_mm"] = (lambda w, s: ref.prepack(w, s), ref.linear, 1)
+    try:
+        import vllm._custom_ops  # noqa: F401  registers torch.ops._C
+        if torch.cpu._is_amx_tile_supported():
+            out["vllm_sgl"] = (lambda w, s: (torch.ops._C.convert_weight_packed(w), s.float()),
+                               lambda x, p: torch.ops._C.int8_scaled_mm_with_quant(x, p[0], p[1], None,
+                                                                                     torch.bfloat16, True), 1)
+    except Exception as e:  # noqa: BLE001 - a peer that cannot load is reported, not fatal
+        print(f"vLLM-CPU int8 ops unavailable: {e}", file=sys.stderr)
+    out["bf16"] = (lambda w, s: (w.float() * s[:, None]).to(torch.bfloat16), lambda x, p: F.linear(x, p), 2)
+    return out
+
+
+def bench(fn, copies, x, min_time: float) -> float:
+    for p in copies:  # warm-up: first-touch, primitive creation
+        fn(x, p)
+    times, i, t_end = [], 0, time.perf_counter() + min_time
+    while time.perf_counter() < t_end or len(times) < 2 * len(copies):
+        t = time.perf_counter()
+        fn(x, copies[i % len(copies)])
+        times.append(time.perf_counter() - t)
+        i += 1
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--ms", default="1,4,16,64,256")
+    ap.add_argument("--min-time", type=float, default=1.0, help="seconds per (method, shape, M)")
+    ap.add_argument("--out", default="results")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    bw = dram_read_gbs()
+    print(f"DRAM read bandwidth (same run): {bw:.1f} GB/s, {torch.get_num_threads()} threads", flush=True)
+    ms = [int(m) for m in a.ms.split(",")]
+    rows = []
+    for shape in a.shapes.split(","):
+        N, K = SHAPES[shape]
+        w, s = quantize_weight_per_channel(torch.randn(N, K))
+        for name, (prep, fn, bpe) in methods().items():
+            n_copies = max(2, int(ROTATE_BYTES // (N * K * bpe)) + 1)
+            copies = [prep(w.clone(), s) for _ in range(n_copies)]
+            for m in ms:
+                x = torch.randn(m, K).to(torch.bfloat16)
+                t = bench(fn, copies, x, a.min_time)
+                row = {"shape": shape, "N": N, "K": K, "M": m, "method": name, "ms": t * 1e3,
+                       "weight_GBs": N * K * bpe / t / 1e9, "GOPS": 2 * m * N * K / t / 1e9}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del copies
+    report(rows, bw, a.out)
+
+
+def report(rows: list[dict], bw: float, out_dir: str) -> None:
+    by = {(r["shape"], r["M"], r["method"]): r for r in rows}
+    lines = [f"DRAM read bandwidth measured in the same run: {bw:.1f} GB/s "
+             f"({torch.get_num_threads()} threads, {platform.processor() or platform.machine()})", "",
+             "| shape | M | method | ms | weight GB/s | % of DRAM BW | GOPS | ours vs best other int8 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (shape, m, method), r in by.items():
+        others = [v["ms"] for (s2, m2, meth2), v in by.items()
+                  if s2 == shape and m2 == m and meth2 in ("int_mm", "vllm_sgl")]
+        ratio = f"{min(others) / r['ms']:.2f}x" if method == "ours" and others else ""
+        lines.append(f"| {shape} | {m} | {method} | {r['ms']:.3f} | {r['weight_GBs']:.1f} | "
+                     f"{100 * r['weight_GBs'] / bw:.0f}% | {r['GOPS']:.0f} | {ratio} |")
+    text = "\n".join(lines)
+    print("\n" + text)
+    os.makedirs(out_dir, exist_ok=True)
+    stamp = f"{time.strftime('%Y-%m-%d')}-{platform.node() or 'machine'}-linear"
+    with open(os.path.join(out_dir, stamp + ".json"), "w") as f:
+        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "dram_read_GBs": bw, "rows": rows}, f, indent=1)
+    with open(os.path.join(out_dir, stamp + ".md"), "w") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
