@@ -1,5 +1,5 @@
 # The README's two commands: `make demo` and `make test`.
-.PHONY: setup demo test test-heavy
+.PHONY: setup demo test test-fast test-heavy
 PY := .venv/bin/python
 
 setup:
@@ -10,6 +10,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest
+
+test-fast: setup
+	$(PY) -m pytest -m 'not heavy and not slow'
 
 test-heavy: setup
 	$(PY) -m pytest -m heavy

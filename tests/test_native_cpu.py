@@ -44,8 +44,20 @@ def _case(M, K, N, seed, mode="normal"):
     return x.to(torch.bfloat16), w, ws
 
 
+@pytest.fixture(params=["vnni", "amx"])
+def path(request):
+    """Run the test on one int8 path: VNNI only, or AMX where M >= amx_min_m (if the CPU has it)."""
+    from vllm_pypto import _C
+    if request.param == "amx" and "amx_int8" not in cpu_isa_flags():
+        pytest.skip("this CPU has no AMX-INT8")
+    _C.set_amx(request.param == "amx")
+    assert _C.isa() == request.param
+    yield request.param
+    _C.set_amx(True)
+
+
 @pytest.mark.parametrize("seed", range(40))
-def test_random_shapes_bit_identical(seed):
+def test_random_shapes_bit_identical(seed, path):
     g = torch.Generator().manual_seed(1000 + seed)
     M = int(torch.randint(1, 301, (1,), generator=g))
     K = int(torch.randint(1, 1500, (1,), generator=g))
@@ -56,6 +68,15 @@ def test_random_shapes_bit_identical(seed):
     r = ReferenceBackend().linear(x, ReferenceBackend().prepack(w, ws))
     assert y.shape == r.shape == (M, N)
     assert _same(y, r), f"M={M} K={K} N={N}: max diff {(y.float() - r.float()).abs().max()}"
+
+
+@pytest.mark.parametrize("M", [31, 32, 33, 64, 65, 97])
+def test_row_block_edges(M, path):
+    x, w, ws = _case(M, 200, 150, M, "special")
+    be = CpuNativeBackend()
+    assert _same(be.linear(x, be.prepack(w, ws)), ref.a8w8_linear(x, w, ws))
+    amax = ref.row_amax(x).clamp_min(ref.AMAX_FLOOR)
+    assert torch.equal(be.gemm_int32(x, amax, be.prepack(w, ws)), ref.int8_gemm(ref.quantize_per_token(x)[0], w))
 
 
 def test_special_rows_follow_the_reference():
@@ -83,7 +104,7 @@ def test_prepack_round_trip():
     w = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
     packed, comp = torch.ops.pypto_cpu.prepack(w)
     T, G = packed.shape[:2]
-    assert (T, G) == (3, 10) and packed.shape[2] == 256
+    assert (T, G) == (3, 16) and packed.shape[2] == 256  # K padded to 64 (one AMX tile row)
     unpacked = packed.view(T, G, 64, 4).permute(0, 2, 1, 3).reshape(T * 64, G * 4)
     assert torch.equal(unpacked[:N, :K], w)
     assert (unpacked[N:] == 0).all() and (unpacked[:, K:] == 0).all()
@@ -117,3 +138,22 @@ def test_auto_falls_back_to_reference_with_one_warning():
     forced = subprocess.run([sys.executable, "-c", code.replace("'auto'", "'cpu'")], capture_output=True,
                             text=True, timeout=120)
     assert forced.returncode != 0 and "VLLM_PYPTO_BACKEND=cpu but the native extension" in forced.stderr
+
+
+@pytest.mark.parametrize("backend", [ReferenceBackend, CpuNativeBackend])
+@pytest.mark.parametrize("M, K, N, ranks", [(5, 512, 96, 2), (37, 300, 130, 2), (9, 1024, 64, 4)])
+def test_row_parallel_shards_reproduce_the_whole_layer(backend, M, K, N, ranks):
+    """What quant/tp.py does across ranks, on one process: each rank's K slice quantized
+    with the max of the slices' amax, int32 sums added, one epilogue -> the TP=1 bits."""
+    x, w, ws = _case(M, K, N, seed=M, mode="special")
+    be = backend()
+    whole = be.linear(x, be.prepack(w, ws))
+    bounds = [K * i // ranks for i in range(ranks + 1)]
+    slices = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+    amax = torch.stack([ref.row_amax(x[:, s]) for s in slices]).amax(0).clamp_min(ref.AMAX_FLOOR)
+    acc = sum(be.gemm_int32(x[:, s].contiguous(), amax, be.prepack(w[:, s].contiguous(), ws)) for s in slices)
+    a_scale = torch.where(torch.isfinite(amax), amax / ref.QMAX, float("nan"))
+    assert _same(ref.dequant_epilogue(acc, ws, a_scale), whole)
+    # and per-slice scales (what a plain shard would do) do not: the reason for the all-reduce
+    local = sum(be.linear(x[:, s].contiguous(), be.prepack(w[:, s].contiguous(), ws)).float() for s in slices)
+    assert not _same(local.to(torch.bfloat16), whole)

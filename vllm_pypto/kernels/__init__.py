@@ -23,7 +23,7 @@ import torch
 # A child of "vllm" so our lines use vLLM's log format and level.
 logger = logging.getLogger("vllm.pypto")
 
-from . import ops  # noqa: E402,F401  registers torch.ops.pypto.* and the native ops' fake impls
+from . import ops, reference  # noqa: E402,F401  registers torch.ops.pypto.* and the native ops' fake impls
 
 
 class A8W8Backend(ABC):
@@ -42,6 +42,11 @@ class A8W8Backend(ABC):
     def linear(self, x: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
         """bf16 [..., K] -> bf16 [..., N] following the reference numerics."""
 
+    @abstractmethod
+    def gemm_int32(self, x: torch.Tensor, amax: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
+        """bf16 [M, K] quantized with the given row amax (fp32 [M], floored) -> the exact int32
+        sums [M, N], no epilogue. Tensor-parallel row shards all-reduce these."""
+
 
 class ReferenceBackend(A8W8Backend):
     name = "reference"
@@ -55,15 +60,24 @@ class ReferenceBackend(A8W8Backend):
     def linear(self, x, packed):
         return torch.ops.pypto.a8w8_linear_ref(x, packed["weight"], packed["weight_scale"])
 
+    def gemm_int32(self, x, amax, packed):
+        q, _ = reference.quantize_per_token(x, amax)
+        return reference.int8_gemm(q, packed["weight"])
+
 
 class CpuNativeBackend(A8W8Backend):
-    """Our AVX512-VNNI kernels (csrc/a8w8_cpu.cpp): weights prepacked into 64-channel tiles,
-    per-token quantization fused in front of the GEMM, fp32 epilogue behind it."""
+    """Our AVX512-VNNI / AMX-INT8 kernels (csrc/a8w8_cpu.cpp): weights prepacked once into
+    64-channel tiles that both paths read, per-token quantization fused in front of the GEMM,
+    fp32 epilogue behind it. AMX takes M >= 32 where the CPU and kernel allow it."""
 
     name = "cpu"
 
     def isa(self) -> str:
-        return "AVX512-VNNI vpdpbusd (u8 x s8 -> s32), 64-channel weight tiles, fused quant + epilogue"
+        from .. import _C
+        vnni = "AVX512-VNNI vpdpbusd (u8 x s8 -> s32)"
+        if _C.isa() == "amx":
+            vnni += f" for M < {_C.amx_min_m()}, AMX-INT8 tdpbusd for M >= {_C.amx_min_m()}"
+        return vnni + ", 64-channel weight tiles, fused quant + epilogue"
 
     def prepack(self, weight, weight_scale):
         packed, comp = torch.ops.pypto_cpu.prepack(weight)
@@ -72,6 +86,10 @@ class CpuNativeBackend(A8W8Backend):
     def linear(self, x, packed):
         return torch.ops.pypto_cpu.a8w8_linear(x, packed["weight_packed"], packed["weight_comp"],
                                                packed["weight_scale"])
+
+    def gemm_int32(self, x, amax, packed):
+        return torch.ops.pypto_cpu.a8w8_gemm_s32(x, packed["weight_packed"], packed["weight_comp"], amax,
+                                                 packed["weight_scale"].numel())
 
 
 def native_cpu_status() -> str | None:

@@ -49,5 +49,9 @@ def _register_native_fakes() -> None:
     def _(x, packed, comp, weight_scale):
         return x.new_empty(*x.shape[:-1], weight_scale.shape[0])
 
+    @torch.library.register_fake("pypto_cpu::a8w8_gemm_s32")
+    def _(x, packed, comp, amax, N):
+        return x.new_empty(amax.shape[0], N, dtype=torch.int32)
+
 
 _register_native_fakes()

@@ -21,10 +21,21 @@ AMAX_FLOOR = 1e-4
 QMAX = 127
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic symmetric per-row int8 quantization. Returns (q int8 [M,K], scale fp32 [M])."""
+def row_amax(x: torch.Tensor) -> torch.Tensor:
+    """max_k |x[r,k]| in fp32, +inf for a row holding NaN/inf (so a max over tensor-parallel
+    shards still marks the whole row), without the floor."""
+    amax = x.float().abs().amax(dim=-1)
+    return torch.where(torch.isnan(amax), float("inf"), amax)
+
+
+def quantize_per_token(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric per-row int8 quantization. Returns (q int8 [M,K], scale fp32 [M]).
+
+    amax: the rows' amax when it is taken over more than x (tensor-parallel row shards:
+    the max of `row_amax` over all ranks); by default it is x's own.
+    """
     xf = x.float()
-    amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(AMAX_FLOOR)
+    amax = (row_amax(xf) if amax is None else amax.float()).clamp_min(AMAX_FLOOR).unsqueeze(-1)
     finite = torch.isfinite(amax)
     # A true fp32 division: `QMAX / amax` in torch is reciprocal-then-multiply, which
     # differs from 127/amax in the last bit for about a quarter of all amax values.
@@ -34,14 +45,17 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.squeeze(-1)
 
 
-def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_per_channel(w: torch.Tensor, amax: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8 for a [N,K] weight: scale = max(amax,eps)/127.
 
-    Used to quantize bf16 checkpoints at load. Refuses non-finite weights rather
-    than producing a NaN channel that would only show up as garbage text later.
+    Used to quantize bf16 checkpoints at load. amax: the channels' amax over the whole
+    input dimension when w is a tensor-parallel shard of it (else w's own). Refuses
+    non-finite weights rather than producing a NaN channel that would only show up as
+    garbage text later.
     """
     wf = w.float()
-    amax = wf.abs().amax(dim=-1, keepdim=True)
+    amax = (row_amax(wf) if amax is None else amax.float()).unsqueeze(-1)
     if not torch.isfinite(amax).all():
         bad = (~torch.isfinite(amax)).nonzero()[0, 0].item()
         raise ValueError(f"weight has non-finite values in output channel {bad}")

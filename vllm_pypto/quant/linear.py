@@ -13,12 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn import Parameter
 
-from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
+from vllm.model_executor.layers.linear import (LinearMethodBase, RowParallelLinear,
+                                               register_weight_loader_v2_supported_method)
 from vllm.model_executor.parameter import ChannelQuantScaleParameter, ModelWeightParameter
 
 from ..checkpoint import FLOAT_DTYPES, SCALE_DTYPES, CheckpointError
-from ..kernels import get_backend
+from ..kernels import get_backend, logger
 from ..kernels.reference import quantize_weight_per_channel
+from . import tp
 
 
 @register_weight_loader_v2_supported_method
@@ -76,6 +78,11 @@ class PyptoA8W8LinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         self._check_loaded(layer, "weight")
         weight = layer.weight.data
+        # Row-parallel shards hold a slice of K: scales and sums need all ranks (quant/tp.py).
+        tp_row = isinstance(layer, RowParallelLinear) and layer.tp_size > 1
+        if getattr(layer, "tp_size", 1) > 1 and ".layers.0." in self.prefix:
+            logger.info("pypto-a8w8: %s holds weight [%d, %d] of [%d, %d] on TP rank %d/%d", self.prefix,
+                        *weight.shape, layer.output_size, layer.input_size, layer.tp_rank, layer.tp_size)
         if self.source_int8:
             self._check_loaded(layer, "weight_scale")
             scale = layer.weight_scale.data.view(-1)
@@ -91,7 +98,7 @@ class PyptoA8W8LinearMethod(LinearMethodBase):
             return
         if not self.source_int8:
             try:
-                weight, scale = quantize_weight_per_channel(weight)
+                weight, scale = quantize_weight_per_channel(weight, tp.weight_amax(weight) if tp_row else None)
             except ValueError as e:
                 raise CheckpointError(f"{self.prefix}.weight: {e}") from e
         del layer.weight
@@ -99,10 +106,18 @@ class PyptoA8W8LinearMethod(LinearMethodBase):
         for name, tensor in packed.items():
             layer.register_parameter(name, Parameter(tensor, requires_grad=False))
         layer._pypto_packed = tuple(packed)
+        layer._pypto_tp_reduce = None
+        if tp_row:  # we reduce exact int32 sums ourselves, so vLLM's bf16 all-reduce goes
+            layer._pypto_tp_reduce, layer.reduce_results = layer.reduce_results, False
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if layer._pypto_packed is None:
             out = F.linear(x, layer.weight)
+        elif layer._pypto_tp_reduce is not None:
+            out = tp.row_parallel_linear(x, {n: getattr(layer, n) for n in layer._pypto_packed},
+                                         reduce=layer._pypto_tp_reduce)
+            if layer._pypto_tp_reduce and not layer.skip_bias_add:
+                bias = layer.bias  # vLLM hands the bias to rank 0 only; every rank holds the sum now
         else:
             out = self.backend.linear(x, {n: getattr(layer, n) for n in layer._pypto_packed})
         return out if bias is None else out + bias
