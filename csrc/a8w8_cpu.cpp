@@ -12,7 +12,7 @@
 // The same bytes are AMX B tiles: 16 groups x 16 channels x 4 = rows of 64 bytes at stride 256.
 //
 // Paths: VNNI (registers, weights streamed once per 4 rows) for decode-sized M; AMX-INT8
-// (tdpbusd on 16x64 tiles, 32x32 output blocks) for M >= AMX_MIN_M where the CPU and the
+// (tdpbusd on 16x64 tiles, 32x32 output blocks) for M >= amx_min_rows where the CPU and the
 // kernel (arch_prctl XTILEDATA permission) allow it. Both give the same int32 sums.
 //
 // The kernel functions carry target attributes, so this file builds and loads on any x86-64
@@ -146,7 +146,7 @@ VNNI_TARGET void tile_kernel(const uint8_t* act, int64_t Kp, const int8_t* wt, c
 // ---- AMX-INT8 -------------------------------------------------------------------------------
 #define AMX_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni")))
 
-constexpr int64_t AMX_MIN_M = 32;  // below this the VNNI path streams weights as fast
+std::atomic<int64_t> amx_min_rows{16};  // below this the VNNI path streams weights as fast
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -253,7 +253,7 @@ void run_gemm(const torch::Tensor& x2, const torch::Tensor& packed, const torch:
               const float* ws, const float* given_amax, torch::Tensor& y) {
   const int64_t M = x2.size(0), K = x2.size(1), N = y.size(1);
   const int64_t Kp = packed.size(1) * 4, tiles = packed.size(0);
-  const bool amx = M >= AMX_MIN_M && amx_enabled.load() && amx_permitted();
+  const bool amx = M >= amx_min_rows.load() && amx_enabled.load() && amx_permitted();
   const int64_t Mp = amx ? round_up(M, 32) : M;  // AMX reads whole 32-row blocks
   std::vector<uint8_t> act(Mp * Kp, 128);
   std::vector<float> ascale(M);
@@ -345,10 +345,11 @@ int64_t read_probe(torch::Tensor buf) {
   return sum.load();
 }
 
-// "amx" where tdpbusd runs for M >= AMX_MIN_M, else "vnni" (also after set_amx(false)).
+// "amx" where tdpbusd runs for M >= amx_min_rows, else "vnni" (also after set_amx(false)).
 std::string isa() { return amx_enabled.load() && amx_permitted() ? "amx" : "vnni"; }
 void set_amx(bool on) { amx_enabled.store(on); }
-int64_t amx_min_m() { return AMX_MIN_M; }
+int64_t amx_min_m() { return amx_min_rows.load(); }
+void set_amx_min_m(int64_t m) { amx_min_rows.store(std::max<int64_t>(1, m)); }
 
 bool cpu_has_vnni() { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"); }
 
@@ -369,5 +370,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "which int8 path large M takes: amx or vnni");
   m.def("set_amx", &set_amx, "allow (default) or forbid the AMX path, for tests and benchmarks");
   m.def("amx_min_m", &amx_min_m, "rows from which the AMX path is taken");
+  m.def("set_amx_min_m", &set_amx_min_m, "change that threshold (benchmarks)");
   m.def("read_probe", &read_probe, "read a buffer once with 64-byte loads (bandwidth probe)");
 }
