@@ -1,5 +1,5 @@
 # The README's two commands: `make demo` and `make test`.
-.PHONY: setup demo test test-fast test-heavy
+.PHONY: setup demo test test-slow test-heavy
 PY := .venv/bin/python
 
 setup:
@@ -11,8 +11,8 @@ demo: setup
 test: setup
 	$(PY) -m pytest
 
-test-fast: setup
-	$(PY) -m pytest -m 'not heavy and not slow'
+test-slow: setup
+	$(PY) -m pytest -m slow
 
 test-heavy: setup
 	$(PY) -m pytest -m heavy

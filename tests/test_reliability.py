@@ -295,12 +295,16 @@ def test_tensor_parallel_2_equals_tp_1(ckpt, tp1, request):
                     env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as s:
         got = [complete(s, r["prompt_token_ids"], max_tokens=48) for r in expect]
         log = s.log_tail(2000)
-    shards = re.findall(r"pypto-a8w8: (\S+) holds weight \[(\d+), (\d+)\] of \[(\d+), (\d+)\] on TP rank (\d)/2", log)
+    shards = re.findall(r"pypto-a8w8: (\S+) holds weight \[(\d+), (\d+)\] and (\d+) scales of \[(\d+), (\d+)\] "
+                        r"on TP rank (\d)/2", log)
     assert {(name, rank) for name, *_, rank in shards} == {
         (f"model.layers.0.{m}", r) for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
                                              "mlp.down_proj") for r in "01"}
-    for name, n, k, full_n, full_k, _ in shards:  # column-parallel halves N, row-parallel halves K
-        assert (int(n) * 2, int(k)) == (int(full_n), int(full_k)) or (int(n), int(k) * 2) == (int(full_n), int(full_k))
+    for name, *sizes, _ in shards:
+        n, k, scales, full_n, full_k = map(int, sizes)
+        # column-parallel: half the output channels and their scales; row-parallel: half of K, all scales
+        row = name.endswith(("o_proj", "down_proj"))
+        assert (n, k, scales) == ((full_n, full_k // 2, full_n) if row else (full_n // 2, full_k, full_n // 2)), name
     diverged = [i for i, (g, r) in enumerate(zip(got, expect)) if g != r["token_ids"]]
     assert not diverged, f"TP=2 differs from TP=1 on prompts {diverged}"
     print(f"\nTP=2 {ckpt}: {len(got)}/{len(got)} prompts x 48 tokens equal TP=1")

@@ -80,9 +80,6 @@ class PyptoA8W8LinearMethod(LinearMethodBase):
         weight = layer.weight.data
         # Row-parallel shards hold a slice of K: scales and sums need all ranks (quant/tp.py).
         tp_row = isinstance(layer, RowParallelLinear) and layer.tp_size > 1
-        if getattr(layer, "tp_size", 1) > 1 and ".layers.0." in self.prefix:
-            logger.info("pypto-a8w8: %s holds weight [%d, %d] of [%d, %d] on TP rank %d/%d", self.prefix,
-                        *weight.shape, layer.output_size, layer.input_size, layer.tp_rank, layer.tp_size)
         if self.source_int8:
             self._check_loaded(layer, "weight_scale")
             scale = layer.weight_scale.data.view(-1)
@@ -101,6 +98,10 @@ class PyptoA8W8LinearMethod(LinearMethodBase):
                 weight, scale = quantize_weight_per_channel(weight, tp.weight_amax(weight) if tp_row else None)
             except ValueError as e:
                 raise CheckpointError(f"{self.prefix}.weight: {e}") from e
+        if getattr(layer, "tp_size", 1) > 1 and ".layers.0." in self.prefix:  # shards, not copies
+            logger.info("pypto-a8w8: %s holds weight [%d, %d] and %d scales of [%d, %d] on TP rank %d/%d",
+                        self.prefix, *weight.shape, scale.numel(), layer.output_size, layer.input_size,
+                        layer.tp_rank, layer.tp_size)
         del layer.weight
         packed = self.backend.prepack(weight, scale)
         for name, tensor in packed.items():
