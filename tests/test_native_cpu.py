@@ -157,3 +157,15 @@ def test_row_parallel_shards_reproduce_the_whole_layer(backend, M, K, N, ranks):
     # and per-slice scales (what a plain shard would do) do not: the reason for the all-reduce
     local = sum(be.linear(x[:, s].contiguous(), be.prepack(w[:, s].contiguous(), ws)).float() for s in slices)
     assert not _same(local.to(torch.bfloat16), whole)
+
+
+def test_amx_can_be_switched_off_by_environment():
+    code = ("import torch\nfrom vllm_pypto.kernels import get_backend\nfrom vllm_pypto import _C\n"
+            "b = get_backend('cpu')\nprint('ISA', _C.isa(), 'AMX' in b.isa())\n")
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "VLLM_PYPTO_CPU_AMX": "0"})
+    assert "ISA vnni False" in off.stdout, off.stderr[-2000:]
+    if "amx_int8" in cpu_isa_flags():
+        on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={k: v for k, v in os.environ.items() if k != "VLLM_PYPTO_CPU_AMX"})
+        assert "ISA amx True" in on.stdout, on.stderr[-2000:]

@@ -8,7 +8,8 @@ Backends: `reference` (torch, always there, the golden numerics) and `cpu` (our
 AVX512-VNNI kernels, built with the package). `auto` (the default) takes `cpu` where the
 CPU has VNNI and the extension is built, else `reference` with one warning. A PyPTO/Ascend
 backend plugs in here too, imported lazily, so the serving path never imports what the
-machine cannot run. Choose with VLLM_PYPTO_BACKEND=auto|reference|cpu.
+machine cannot run. Choose with VLLM_PYPTO_BACKEND=auto|reference|cpu; VLLM_PYPTO_CPU_AMX=0
+keeps the cpu backend on AVX512-VNNI for every M.
 """
 
 from __future__ import annotations
@@ -126,6 +127,8 @@ def get_backend(name: str | None = None) -> A8W8Backend:
         why_not = native_cpu_status()
         if why_not is None:
             backend = CpuNativeBackend()
+            from .. import _C
+            _C.set_amx(os.environ.get("VLLM_PYPTO_CPU_AMX", "1").strip() != "0")
         elif name == "cpu":
             raise RuntimeError(f"VLLM_PYPTO_BACKEND=cpu but {why_not}")
         else:
