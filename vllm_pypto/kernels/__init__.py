@@ -5,7 +5,7 @@ its kernel wants (`prepack`, once at load) and runs the A8W8 linear on bf16
 activations (`linear`). The numerics contract is `reference.a8w8_linear`.
 
 Backends: `reference` (torch, always there, the golden numerics) and `cpu` (our
-AVX512-VNNI kernels, built with the package). `auto` (the default) takes `cpu` where the
+AVX512-VNNI / AMX-INT8 kernels, built with the package). `auto` (the default) takes `cpu` where the
 CPU has VNNI and the extension is built, else `reference` with one warning. A PyPTO/Ascend
 backend plugs in here too, imported lazily, so the serving path never imports what the
 machine cannot run. Choose with VLLM_PYPTO_BACKEND=auto|reference|cpu; VLLM_PYPTO_CPU_AMX=0
@@ -69,7 +69,7 @@ class ReferenceBackend(A8W8Backend):
 class CpuNativeBackend(A8W8Backend):
     """Our AVX512-VNNI / AMX-INT8 kernels (csrc/a8w8_cpu.cpp): weights prepacked once into
     64-channel tiles that both paths read, per-token quantization fused in front of the GEMM,
-    fp32 epilogue behind it. AMX takes M >= 32 where the CPU and kernel allow it."""
+    fp32 epilogue behind it. AMX takes M >= _C.amx_min_m() (16) where the CPU and kernel allow it."""
 
     name = "cpu"
 

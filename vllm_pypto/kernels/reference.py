@@ -28,6 +28,11 @@ def row_amax(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(amax), float("inf"), amax)
 
 
+def activation_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Per-row dequant scale amax/127 from a floored amax; NaN for a non-finite row."""
+    return torch.where(torch.isfinite(amax), amax / QMAX, float("nan"))
+
+
 def quantize_per_token(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic symmetric per-row int8 quantization. Returns (q int8 [M,K], scale fp32 [M]).
 
@@ -41,8 +46,7 @@ def quantize_per_token(x: torch.Tensor, amax: torch.Tensor | None = None) -> tup
     # differs from 127/amax in the last bit for about a quarter of all amax values.
     q = torch.round(xf * (torch.full_like(amax, QMAX) / amax)).clamp_(-QMAX, QMAX)
     q = torch.where(finite, q, 0.0).to(torch.int8)
-    scale = torch.where(finite, amax / QMAX, float("nan"))
-    return q, scale.squeeze(-1)
+    return q, activation_scale(amax.squeeze(-1))
 
 
 def quantize_weight_per_channel(w: torch.Tensor, amax: torch.Tensor | None = None

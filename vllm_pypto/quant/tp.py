@@ -24,7 +24,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 
 from ..kernels import get_backend
 from ..kernels.ops import pypto_lib
-from ..kernels.reference import AMAX_FLOOR, QMAX, dequant_epilogue, row_amax
+from ..kernels.reference import AMAX_FLOOR, activation_scale, dequant_epilogue, row_amax
 
 
 def _group(t: torch.Tensor):
@@ -50,8 +50,7 @@ def _row_parallel(x: torch.Tensor, packed: list[torch.Tensor], names: str, n: in
     acc = get_backend().gemm_int32(x2.contiguous(), amax, tensors)
     if reduce:
         dist.all_reduce(acc, group=group)
-    a_scale = torch.where(torch.isfinite(amax), amax / QMAX, float("nan"))
-    return dequant_epilogue(acc, tensors["weight_scale"], a_scale, x.dtype).reshape(*x.shape[:-1], n)
+    return dequant_epilogue(acc, tensors["weight_scale"], activation_scale(amax), x.dtype).reshape(*x.shape[:-1], n)
 
 
 def _row_parallel_fake(x, packed, names, n, reduce):
