@@ -7,8 +7,10 @@ sweeps with `vllm bench serve` build on the same pieces).
 A config is `bf16` (stock vLLM, no quantization, on the bf16 folder), `pypto-a8w8` (ours,
 quantizing the bf16 folder at load), `pypto-a8w8:w8a8` (ours on the compressed-tensors
 folder) or `ct:w8a8` (vLLM-CPU's own compressed-tensors W8A8 path on that folder). A suffix
-`@reference` or `@cpu` picks our kernel backend (VLLM_PYPTO_BACKEND); `+noamx` keeps the cpu
-backend on VNNI for every M (VLLM_PYPTO_CPU_AMX=0). `--prompt-words N` makes the prompt long,
+`@reference` or `@cpu` picks our kernel backend (VLLM_PYPTO_BACKEND); then any of `+noamx`
+(cpu backend on VNNI for every M, VLLM_PYPTO_CPU_AMX=0), `+vllm-model` (vLLM's Qwen3 class
+with our linears, VLLM_PYPTO_MODEL=vllm) and `+<flag>` (a flag of vllm_pypto.flags), e.g.
+`pypto-a8w8:w8a8+fused_gate_up_silu+deferred_rms`. `--prompt-words N` makes the prompt long,
 so TTFT measures a prefill of ~N tokens.
 """
 
@@ -24,9 +26,18 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from vllm_pypto import flags  # noqa: E402
 from vllm_pypto.demo import chat_once  # noqa: E402
 from vllm_pypto.tools.make_checkpoint import make_checkpoint  # noqa: E402
 from vllm_pypto.tools.server import VllmServer  # noqa: E402
+from vllm_pypto.tools.shapes import SHAPES, VOCAB  # noqa: E402
+from linear import dram_read_gbs  # noqa: E402  (benchmarks/linear.py)
+
+
+def bytes_per_token(shape: str) -> int:
+    """Weights a batch-1 decode step must read: every int8 linear and the bf16 lm_head."""
+    s = SHAPES[shape]
+    return s.linear_params() + 2 * VOCAB * s.hidden
 
 
 def checkpoint(root: str, shape: str, fmt: str) -> str:
@@ -37,9 +48,18 @@ def checkpoint(root: str, shape: str, fmt: str) -> str:
 
 
 def run_config(cfg: str, root: str, shape: str, requests: int, max_tokens: int, prompt: str) -> dict:
-    noamx = cfg.endswith("+noamx")
-    spec, _, backend = cfg.removesuffix("+noamx").partition("@")
+    head, *mods = cfg.split("+")
+    spec, _, backend = head.partition("@")
     method, _, fmt = spec.partition(":")
+    env = {"VLLM_PYPTO_BACKEND": backend} if backend else {}
+    chosen = [m for m in mods if m not in ("noamx", "vllm-model")]
+    flags.parse(chosen)  # unknown names fail before a server starts
+    if chosen:
+        env["VLLM_PYPTO_FLAGS"] = ",".join(chosen)
+    if "noamx" in mods:
+        env["VLLM_PYPTO_CPU_AMX"] = "0"
+    if "vllm-model" in mods:
+        env["VLLM_PYPTO_MODEL"] = "vllm"
     fmt = fmt or "bf16"
     # no prefix caching: every request repeats the prompt, and TTFT must measure the prefill
     args = ["--max-model-len", "2048", "--served-model-name", "m", "--no-enable-prefix-caching"]
@@ -49,7 +69,6 @@ def run_config(cfg: str, root: str, shape: str, requests: int, max_tokens: int, 
         raise SystemExit(f"unknown config {cfg!r}")
     model = checkpoint(root, shape, fmt)
     t0 = time.time()
-    env = {**({"VLLM_PYPTO_BACKEND": backend} if backend else {}), **({"VLLM_PYPTO_CPU_AMX": "0"} if noamx else {})}
     with VllmServer(model, *args, env=env) as s:
         start = time.time() - t0
         chat_once(s.url, "m", "warm up", 8)
@@ -73,19 +92,28 @@ def main() -> None:
     ap.add_argument("--out", default="results")
     a = ap.parse_args()
     prompt = " ".join(["介绍一下北京故宫"] + ["the palace museum in beijing"] * (a.prompt_words // 5))
-    rows = [run_config(c, a.checkpoints, a.shape, a.requests, a.max_tokens, prompt) for c in a.configs.split(",")]
+    configs = a.configs.split(",")
+    bw = max(dram_read_gbs().values())
+    bound_ms = bytes_per_token(a.shape) / (bw * 1e9) * 1e3
+    print(f"DRAM read {bw:.1f} GB/s; {bytes_per_token(a.shape) / 1e6:.0f} MB of weights per token "
+          f"-> bandwidth bound {bound_ms:.1f} ms/token", flush=True)
+    rows = [run_config(c, a.checkpoints, a.shape, a.requests, a.max_tokens, prompt) for c in configs]
+    bw_after = max(dram_read_gbs().values())  # the host is shared: say how much it moved
+    print(f"DRAM read after the runs {bw_after:.1f} GB/s", flush=True)
     os.makedirs(a.out, exist_ok=True)
     stamp = f"{time.strftime('%Y-%m-%d')}-{platform.node() or 'machine'}-tpot-{a.shape}" + (
         f"-prompt{a.prompt_words}" if a.prompt_words else "")
     with open(os.path.join(a.out, stamp + ".json"), "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "prompt_words": a.prompt_words,
-                   "rows": rows}, f, indent=1)
+                   "dram_read_gbs": [bw, bw_after], "bytes_per_token": bytes_per_token(a.shape),
+                   "bound_ms": bound_ms, "rows": rows}, f, indent=1)
     base = rows[0]["tpot_ms_median"]
-    print(f"\n| config | shape | TPOT ms (median of {a.requests}) | TTFT ms | TPOT vs {rows[0]['config']} |")
-    print("| --- | --- | --- | --- | --- |")
+    print(f"\n| config | shape | TPOT ms (median of {a.requests}) | TTFT ms | TPOT vs {rows[0]['config']} "
+          f"| TPOT / bandwidth bound ({bound_ms:.1f} ms) |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['config']} | {r['shape']} | {r['tpot_ms_median']:.1f} | {r['ttft_ms_median']:.0f} | "
-              f"{r['tpot_ms_median'] / base:.2f}x |")
+              f"{r['tpot_ms_median'] / base:.2f}x | {r['tpot_ms_median'] / bound_ms:.2f}x |")
 
 
 if __name__ == "__main__":

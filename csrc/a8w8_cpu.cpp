@@ -51,8 +51,10 @@ VNNI_TARGET inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
 // amax/127, or NaN for a row holding NaN/inf (whose q are all 0), as the reference does.
 // `given` (may be null): the row's amax taken over more than this slice of K (tensor-parallel
 // row shards: the max over all ranks, floored; +inf when any rank's slice is non-finite).
+template <bool U8 = true>
 VNNI_TARGET void quantize_row(const at::BFloat16* x, int64_t K, int64_t Kp, uint8_t* out, float* scale,
                               const float* given = nullptr) {
+  const int zero = U8 ? 128 : 0;
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x);
   __m512 vmax = _mm512_setzero_ps();
   __mmask16 bad = 0;
@@ -66,7 +68,7 @@ VNNI_TARGET void quantize_row(const at::BFloat16* x, int64_t K, int64_t Kp, uint
   }
   float amax = given ? *given : std::max(_mm512_reduce_max_ps(vmax), 1e-4f);
   if (bad || !std::isfinite(amax)) {
-    std::memset(out, 128, Kp);
+    std::memset(out, zero, Kp);
     *scale = NAN;
     return;
   }
@@ -77,10 +79,10 @@ VNNI_TARGET void quantize_row(const at::BFloat16* x, int64_t K, int64_t Kp, uint
     __m512 v = _mm512_mul_ps(load_bf16(xb + k, m), inv);
     v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // half to even
     v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-    __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
+    __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(zero));
     _mm_mask_storeu_epi8(out + k, m, _mm512_cvtepi32_epi8(q));
   }
-  if (Kp > K) std::memset(out + K, 128, Kp - K);
+  if (Kp > K) std::memset(out + K, zero, Kp - K);
   *scale = amax / 127.0f;
 }
 
@@ -246,38 +248,66 @@ std::vector<torch::Tensor> prepack(torch::Tensor w) {
 
 namespace {
 
-// Quantize rows of x (optionally with given amax) and run every (tile, row block); Y is bf16
-// [M,N] with the epilogue applied, or int32 [M,N] raw sums when I32.
-template <bool I32>
-void run_gemm(const torch::Tensor& x2, const torch::Tensor& packed, const torch::Tensor& comp,
-              const float* ws, const float* given_amax, torch::Tensor& y) {
-  const int64_t M = x2.size(0), K = x2.size(1), N = y.size(1);
-  const int64_t Kp = packed.size(1) * 4, tiles = packed.size(0);
-  const bool amx = M >= amx_min_rows.load() && amx_enabled.load() && amx_permitted();
-  const int64_t Mp = amx ? round_up(M, 32) : M;  // AMX reads whole 32-row blocks
-  std::vector<uint8_t> act(Mp * Kp, 128);
-  std::vector<float> ascale(M);
+// u8 activations (q + 128, rows of Kp; Mp >= M rows, padded to 32 for AMX) with their fp32
+// scales: the input every GEMM path reads.
+struct Act {
+  std::vector<uint8_t> a;
+  std::vector<float> scale;
+  int64_t M, Kp;
+  bool amx;
+  Act(int64_t M_, int64_t Kp_) : M(M_), Kp(Kp_) {
+    amx = M >= amx_min_rows.load() && amx_enabled.load() && amx_permitted();
+    a.assign((amx ? round_up(M, 32) : M) * Kp, 128);  // AMX reads whole 32-row blocks
+    scale.resize(M);
+  }
+};
+
+// Quantize bf16 rows (optionally with a given amax per row) into `act`.
+void quantize_rows(const torch::Tensor& x2, const float* given_amax, Act& act) {
+  const int64_t K = x2.size(1);
   const at::BFloat16* xp = x2.data_ptr<at::BFloat16>();
-  at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, act.M, 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r)
-      quantize_row(xp + r * K, K, Kp, act.data() + r * Kp, ascale.data() + r, given_amax ? given_amax + r : nullptr);
+      quantize_row(xp + r * K, K, act.Kp, act.a.data() + r * act.Kp, act.scale.data() + r,
+                   given_amax ? given_amax + r : nullptr);
   });
+}
+
+// Already-quantized int8 rows (q, scale) into `act`: u8 = q + 128 is q with its top bit flipped.
+void load_rows(const torch::Tensor& q2, const torch::Tensor& scale, Act& act) {
+  const int64_t K = q2.size(1);
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(q2.data_ptr<int8_t>());
+  for (int64_t r = 0; r < act.M; ++r)
+    for (int64_t k = 0; k < K; ++k) act.a[r * act.Kp + k] = qp[r * K + k] ^ 0x80;
+  std::memcpy(act.scale.data(), scale.data_ptr<float>(), act.M * sizeof(float));
+}
+
+// Every (tile, row block) over `act`; Y is bf16 [M,N] with the epilogue applied, or int32
+// [M,N] raw sums when I32.
+template <bool I32>
+void run_gemm(const Act& act, const torch::Tensor& packed, const torch::Tensor& comp, const float* ws,
+              torch::Tensor& y) {
+  const int64_t M = act.M, Kp = act.Kp, N = y.size(1);
+  TORCH_CHECK(packed.size(1) * 4 == Kp, "activation rows do not fit the packed weight");
+  const int64_t tiles = packed.size(0);
+  const uint8_t* ap = act.a.data();
+  const float* as0 = act.scale.data();
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int32_t* cp = comp.data_ptr<int32_t>();
   char* yp = static_cast<char*>(y.data_ptr());
   const int64_t esize = y.element_size();
   const int64_t tile_bytes = (Kp / 4) * 256;
   at::parallel_for(0, tiles, 1, [&](int64_t tb, int64_t te) {
-    if (amx) {
-      amx_tiles<I32>(act.data(), Kp, M, wp, cp, ws, ascale.data(), yp, N * esize, N, tb, te);
+    if (act.amx) {
+      amx_tiles<I32>(ap, Kp, M, wp, cp, ws, as0, yp, N * esize, N, tb, te);
       return;
     }
     for (int64_t t = tb; t < te; ++t) {
       const int8_t* wt = wp + t * tile_bytes;
       for (int64_t r = 0; r < M; r += MR) {
-        const uint8_t* a = act.data() + r * Kp;
+        const uint8_t* a = ap + r * Kp;
         void* yr = yp + r * N * esize;
-        const float* as = ascale.data() + r;
+        const float* as = as0 + r;
         switch (std::min<int64_t>(MR, M - r)) {
           case 4: tile_kernel<4, I32>(a, Kp, wt, cp, ws, as, yr, N, t * NT, N); break;
           case 3: tile_kernel<3, I32>(a, Kp, wt, cp, ws, as, yr, N, t * NT, N); break;
@@ -307,7 +337,11 @@ torch::Tensor a8w8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
   auto y = torch::empty({x2.size(0), N}, x.options());
-  if (x2.size(0) > 0) run_gemm<false>(x2, packed, comp, weight_scale.data_ptr<float>(), nullptr, y);
+  if (x2.size(0) > 0) {
+    Act act(x2.size(0), packed.size(1) * 4);
+    quantize_rows(x2, nullptr, act);
+    run_gemm<false>(act, packed, comp, weight_scale.data_ptr<float>(), y);
+  }
   return y.reshape(out_shape);
 }
 
@@ -319,8 +353,166 @@ torch::Tensor a8w8_gemm_s32(torch::Tensor x, torch::Tensor packed, torch::Tensor
   TORCH_CHECK(amax.dtype() == torch::kFloat32 && amax.is_contiguous() && amax.numel() == x2.size(0),
               "a8w8_gemm_s32: amax must be fp32 [M]");
   auto y = torch::empty({x2.size(0), N}, x.options().dtype(torch::kInt32));
-  if (x2.size(0) > 0) run_gemm<true>(x2, packed, comp, nullptr, amax.data_ptr<float>(), y);
+  if (x2.size(0) > 0) {
+    Act act(x2.size(0), packed.size(1) * 4);
+    quantize_rows(x2, amax.data_ptr<float>(), act);
+    run_gemm<true>(act, packed, comp, nullptr, y);
+  }
   return y;
+}
+
+// ---- Fused layer ops (the model class's hot path) ---------------------------------------------
+// Reference: vllm_pypto/kernels/layer_ref.py. Row norms accumulate in fp64 (exact for bf16
+// squares in practice, so the sum order does not matter); every rounding point is the reference's.
+
+namespace {
+
+at::Tensor rows2d(const torch::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dtype() == torch::kBFloat16, op, ": expected bf16");
+  return x.reshape({-1, x.size(-1)}).contiguous();
+}
+
+// residual add (bf16 out), fp64 mean square, y = bf16((h * rinv) * gamma) or, deferred,
+// bf16(h * gamma) with rinv folded into the row's scale; then per-token int8.
+VNNI_TARGET void rmsnorm_quant_row(const uint16_t* x, const uint16_t* res, const uint16_t* gamma, int64_t H,
+                                   double eps, bool deferred, uint16_t* h, uint16_t* y, int8_t* q, float* scale) {
+  __m512d ss0 = _mm512_setzero_pd(), ss1 = _mm512_setzero_pd();
+  for (int64_t k = 0; k < H; k += 16) {
+    __mmask16 m = H - k >= 16 ? 0xFFFF : (__mmask16)((1u << (H - k)) - 1);
+    __m512 v = load_bf16(x + k, m);
+    if (res) {
+      __m256i hb = to_bf16(_mm512_add_ps(v, load_bf16(res + k, m)));
+      _mm256_mask_storeu_epi16(h + k, m, hb);
+      v = load_bf16(h + k, m);
+    } else if (h != x) {
+      _mm256_mask_storeu_epi16(h + k, m, _mm256_maskz_loadu_epi16(m, x + k));
+    }
+    __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+    __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    ss0 = _mm512_fmadd_pd(lo, lo, ss0);
+    ss1 = _mm512_fmadd_pd(hi, hi, ss1);
+  }
+  const double var = _mm512_reduce_add_pd(_mm512_add_pd(ss0, ss1)) / static_cast<double>(H);
+  const float rinv = static_cast<float>(1.0 / std::sqrt(var + eps));
+  const __m512 vr = _mm512_set1_ps(rinv);
+  for (int64_t k = 0; k < H; k += 16) {
+    __mmask16 m = H - k >= 16 ? 0xFFFF : (__mmask16)((1u << (H - k)) - 1);
+    __m512 v = load_bf16(h + k, m), g = load_bf16(gamma + k, m);
+    v = deferred ? _mm512_mul_ps(v, g) : _mm512_mul_ps(_mm512_mul_ps(v, vr), g);
+    _mm256_mask_storeu_epi16(y + k, m, to_bf16(v));
+  }
+  quantize_row<false>(reinterpret_cast<const at::BFloat16*>(y), H, H, reinterpret_cast<uint8_t*>(q), scale);
+  if (deferred) *scale = *scale * rinv;
+}
+
+inline float silu_times(float g, float u) {
+  const double gd = g;
+  return static_cast<float>(gd / (1.0 + std::exp(-gd))) * u;  // SiLU in fp64, then the fp32 product
+}
+
+// One row of SiLU(gate) * up -> bf16 -> per-token int8. gate/up given as fp32 producers.
+template <class G, class U>
+VNNI_TARGET void silu_quant_row(int64_t I, G gate, U up, uint16_t* y, int8_t* q, float* scale) {
+  for (int64_t k = 0; k < I; ++k) y[k] = at::BFloat16(silu_times(gate(k), up(k))).x;
+  quantize_row<false>(reinterpret_cast<const at::BFloat16*>(y), I, I, reinterpret_cast<uint8_t*>(q), scale);
+}
+
+}  // namespace
+
+// (x [+ residual]) -> (q int8 [M,H], scale fp32 [M], h bf16 [M,H]: the new residual)
+std::vector<torch::Tensor> rmsnorm_quant(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor gamma,
+                                         double eps, bool deferred) {
+  auto x2 = rows2d(x, "rmsnorm_quant");
+  const int64_t M = x2.size(0), H = x2.size(1);
+  auto g = rows2d(gamma, "rmsnorm_quant gamma");
+  TORCH_CHECK(g.numel() == H, "rmsnorm_quant: gamma has ", g.numel(), " values for rows of ", H);
+  at::Tensor r2;
+  if (residual) {
+    r2 = rows2d(*residual, "rmsnorm_quant residual");
+    TORCH_CHECK(r2.sizes() == x2.sizes(), "rmsnorm_quant: residual shape differs from x");
+  }
+  auto q = torch::empty({M, H}, x.options().dtype(torch::kInt8));
+  auto scale = torch::empty({M}, x.options().dtype(torch::kFloat32));
+  auto h = torch::empty_like(x2);  // never an alias of x: custom ops must not return views of inputs
+  auto xp = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
+  auto rp = residual ? reinterpret_cast<const uint16_t*>(r2.data_ptr<at::BFloat16>()) : nullptr;
+  auto hp = reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>());
+  auto gp = reinterpret_cast<const uint16_t*>(g.data_ptr<at::BFloat16>());
+  at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
+    std::vector<uint16_t> y(H);
+    for (int64_t r = b; r < e; ++r)
+      rmsnorm_quant_row(xp + r * H, rp ? rp + r * H : nullptr, gp, H, eps, deferred, hp + r * H, y.data(),
+                        q.data_ptr<int8_t>() + r * H, scale.data_ptr<float>() + r);
+  });
+  return {q, scale, h};
+}
+
+// gate_up bf16 [M, 2I] (gate first, as vLLM's merged gate_up_proj) -> (q int8 [M,I], scale fp32 [M])
+std::vector<torch::Tensor> silu_mul_quant(torch::Tensor gu) {
+  auto x2 = rows2d(gu, "silu_mul_quant");
+  const int64_t M = x2.size(0), I = x2.size(1) / 2;
+  TORCH_CHECK(x2.size(1) == 2 * I, "silu_mul_quant: odd width");
+  auto q = torch::empty({M, I}, gu.options().dtype(torch::kInt8));
+  auto scale = torch::empty({M}, gu.options().dtype(torch::kFloat32));
+  const at::BFloat16* xp = x2.data_ptr<at::BFloat16>();
+  at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
+    std::vector<uint16_t> y(I);
+    for (int64_t r = b; r < e; ++r) {
+      const at::BFloat16* row = xp + r * 2 * I;
+      silu_quant_row(I, [&](int64_t k) { return float(row[k]); }, [&](int64_t k) { return float(row[I + k]); },
+                     y.data(), q.data_ptr<int8_t>() + r * I, scale.data_ptr<float>() + r);
+    }
+  });
+  return {q, scale};
+}
+
+namespace {
+Act act_from_q(const torch::Tensor& q, const torch::Tensor& scale, const torch::Tensor& packed, const char* op) {
+  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), op, ": q must be int8 [M,K]");
+  TORCH_CHECK(scale.dtype() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == q.size(0), op,
+              ": scale must be fp32 [M]");
+  TORCH_CHECK(round_up(q.size(1), KA) == packed.size(1) * 4, op, ": q does not fit the packed weight");
+  Act act(q.size(0), packed.size(1) * 4);
+  load_rows(q, scale, act);
+  return act;
+}
+}  // namespace
+
+// Already-quantized activations (q, scale) x prepacked weight -> bf16 [M, N].
+torch::Tensor a8w8_linear_q(torch::Tensor q, torch::Tensor scale, torch::Tensor packed, torch::Tensor comp,
+                            torch::Tensor weight_scale) {
+  const int64_t N = weight_scale.numel();
+  auto y = torch::empty({q.size(0), N}, q.options().dtype(torch::kBFloat16));
+  if (q.size(0) == 0) return y;
+  Act act = act_from_q(q, scale, packed, "a8w8_linear_q");
+  run_gemm<false>(act, packed, comp, weight_scale.data_ptr<float>(), y);
+  return y;
+}
+
+// The merged gate_up GEMM with SiLU(gate) * up and the next quantization in its epilogue:
+// gate and up stay fp32 (no bf16 rounding between the GEMM and SiLU) -> (q int8 [M,I], scale [M]).
+std::vector<torch::Tensor> gate_up_silu_quant(torch::Tensor q, torch::Tensor scale, torch::Tensor packed,
+                                              torch::Tensor comp, torch::Tensor weight_scale) {
+  const int64_t N = weight_scale.numel(), I = N / 2, M = q.size(0);
+  auto qo = torch::empty({M, I}, q.options());
+  auto so = torch::empty({M}, scale.options());
+  if (M == 0) return {qo, so};
+  Act act = act_from_q(q, scale, packed, "gate_up_silu_quant");
+  auto acc = torch::empty({M, N}, q.options().dtype(torch::kInt32));
+  run_gemm<true>(act, packed, comp, nullptr, acc);
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* ws = weight_scale.data_ptr<float>();
+  at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
+    std::vector<uint16_t> y(I);
+    for (int64_t r = b; r < e; ++r) {
+      const int32_t* row = ap + r * N;
+      const float as = act.scale[r];
+      silu_quant_row(I, [&](int64_t k) { return static_cast<float>(row[k]) * ws[k] * as; },
+                     [&](int64_t k) { return static_cast<float>(row[I + k]) * ws[I + k] * as; }, y.data(),
+                     qo.data_ptr<int8_t>() + r * I, so.data_ptr<float>() + r);
+    }
+  });
+  return {qo, so};
 }
 
 // Streaming-read probe for the bandwidth limit the benchmarks compare against: every thread
@@ -357,12 +549,20 @@ TORCH_LIBRARY(pypto_cpu, m) {
   m.def("prepack(Tensor w) -> Tensor[]");
   m.def("a8w8_linear(Tensor x, Tensor packed, Tensor comp, Tensor weight_scale) -> Tensor");
   m.def("a8w8_gemm_s32(Tensor x, Tensor packed, Tensor comp, Tensor amax, int N) -> Tensor");
+  m.def("a8w8_linear_q(Tensor q, Tensor scale, Tensor packed, Tensor comp, Tensor weight_scale) -> Tensor");
+  m.def("rmsnorm_quant(Tensor x, Tensor? residual, Tensor gamma, float eps, bool deferred) -> Tensor[]");
+  m.def("silu_mul_quant(Tensor gate_up) -> Tensor[]");
+  m.def("gate_up_silu_quant(Tensor q, Tensor scale, Tensor packed, Tensor comp, Tensor weight_scale) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(pypto_cpu, CPU, m) {
   m.impl("prepack", &prepack);
   m.impl("a8w8_linear", &a8w8_linear);
   m.impl("a8w8_gemm_s32", &a8w8_gemm_s32);
+  m.impl("a8w8_linear_q", &a8w8_linear_q);
+  m.impl("rmsnorm_quant", &rmsnorm_quant);
+  m.impl("silu_mul_quant", &silu_mul_quant);
+  m.impl("gate_up_silu_quant", &gate_up_silu_quant);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -40,13 +40,18 @@ def test_no_dependency_on_the_cuda_vllm_distribution():
 def test_flags_registry():
     assert flags.parse("bf16_down_proj") == {"bf16_down_proj"}
     assert flags.parse(" bf16_down_proj , ") == {"bf16_down_proj"}
-    with pytest.raises(ValueError, match=r"unknown pypto-a8w8 flag\(s\) \['fast_everything'\]; valid flags: bf16_down_proj"):
+    with pytest.raises(ValueError, match=r"unknown pypto-a8w8 flag\(s\) \['fast_everything'\]; valid flags: "
+                                         r"bf16_down_proj, deferred_rms, fused_gate_up_silu, fused_qk_norm_rope$"):
         flags.parse(["fast_everything"])
+    with pytest.raises(ValueError, match="exist only to test the quality checks"):
+        flags.parse("guardrail_broken_q_rope")
     with pytest.raises(ValueError, match="must be a list"):
         flags.active({"pypto_flags": 3})
     assert all(f.status in flags.STATUSES for f in flags.FLAGS.values())
     out = subprocess.run([sys.executable, "-m", "vllm_pypto.flags"], capture_output=True, text=True, check=True).stdout
     assert "| `bf16_down_proj` | experimental |" in out
+    assert "| `guardrail_broken_q_rope` | rejected (test only) |" in out
+    assert all(f"`{n}`" in out for n in flags.FLAGS)
 
 
 def test_unknown_flag_fails_before_engine_start(tiny_w8a8):
@@ -54,7 +59,7 @@ def test_unknown_flag_fails_before_engine_start(tiny_w8a8):
                        capture_output=True, text=True, timeout=300,
                        env={**os.environ, "VLLM_PYPTO_FLAGS": "bogus_flag", "VLLM_CPU_KVCACHE_SPACE": "1"})
     assert r.returncode != 0
-    assert "unknown pypto-a8w8 flag(s) ['bogus_flag']; valid flags: bf16_down_proj" in r.stdout + r.stderr
+    assert "unknown pypto-a8w8 flag(s) ['bogus_flag']; valid flags: bf16_down_proj, deferred_rms" in r.stdout + r.stderr
 
 
 def test_patches_are_applied_and_vllm_cli_works():

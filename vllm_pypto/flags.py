@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 ENV = "VLLM_PYPTO_FLAGS"
 CONFIG_KEY = "pypto_flags"
+TEST_FLAGS_ENV = "VLLM_PYPTO_ALLOW_TEST_FLAGS"  # =1 lets the test-only flags through
 STATUSES = ("experimental", "validated", "rejected")
 
 
@@ -23,12 +24,27 @@ class Flag:
     description: str
     status: str
     tpot_effect: str  # measured, with the shape it was measured on; "not measured" until it is
+    test_only: bool = False  # exists to prove a check can fail; refused unless TEST_FLAGS_ENV=1
 
 
 FLAGS: dict[str, Flag] = {f.name: f for f in (
+    Flag("fused_qk_norm_rope",
+         "Q/K per-head RMSNorm and RoPE as one op in fp32 (one bf16 rounding, the spec's order); the Q heads "
+         "of a GQA group rotate as one tile with cos/sin replicated per head",
+         "experimental", "not measured"),
+    Flag("deferred_rms",
+         "Quantize bf16(x*gamma) and fold 1/rms into the activation scale after the GEMM (upstream decode trick)",
+         "experimental", "not measured"),
+    Flag("fused_gate_up_silu",
+         "SiLU(gate)*up and the down-proj's quantization in the gate_up GEMM's fp32 epilogue (no bf16 gate/up)",
+         "experimental", "not measured"),
     Flag("bf16_down_proj",
          "Run mlp.down_proj in bf16 (int8 checkpoints are dequantized at load), as the upstream did",
          "experimental", "not measured"),
+    Flag("guardrail_broken_q_rope",
+         "TEST ONLY: fused_qk_norm_rope with cos/sin replicated token-major, the upstream's non-equivalent batched "
+         "Q RoPE; the quality checks must fail with it",
+         "rejected", "n/a", test_only=True),
 )}
 assert all(f.status in STATUSES for f in FLAGS.values())
 
@@ -41,7 +57,12 @@ def parse(names: Iterable[str] | str | None) -> frozenset[str]:
     chosen = frozenset(n.strip() for n in names if n and n.strip())
     unknown = sorted(chosen - FLAGS.keys())
     if unknown:
-        raise ValueError(f"unknown pypto-a8w8 flag(s) {unknown}; valid flags: {', '.join(sorted(FLAGS))}")
+        raise ValueError(f"unknown pypto-a8w8 flag(s) {unknown}; valid flags: "
+                         f"{', '.join(sorted(n for n, f in FLAGS.items() if not f.test_only))}")
+    test_only = sorted(n for n in chosen if FLAGS[n].test_only)
+    if test_only and os.environ.get(TEST_FLAGS_ENV) != "1":
+        raise ValueError(f"pypto-a8w8 flag(s) {test_only} exist only to test the quality checks and break the "
+                         f"output on purpose; set {TEST_FLAGS_ENV}=1 to use them")
     return chosen
 
 
@@ -55,7 +76,8 @@ def active(additional_config: dict | None = None) -> frozenset[str]:
 
 def table() -> str:
     rows = ["| flag | status | TPOT effect | what it does |", "| --- | --- | --- | --- |"]
-    rows += [f"| `{f.name}` | {f.status} | {f.tpot_effect} | {f.description} |" for f in FLAGS.values()]
+    rows += [f"| `{f.name}` | {f.status}{' (test only)' if f.test_only else ''} | {f.tpot_effect} | {f.description} |"
+             for f in FLAGS.values()]
     return "\n".join(rows)
 
 

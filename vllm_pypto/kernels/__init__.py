@@ -48,6 +48,28 @@ class A8W8Backend(ABC):
         """bf16 [M, K] quantized with the given row amax (fp32 [M], floored) -> the exact int32
         sums [M, N], no epilogue. Tensor-parallel row shards all-reduce these."""
 
+    # The model class's fused ops (reference: kernels/layer_ref.py). The defaults run the torch
+    # reference as one custom op each; a backend with native kernels overrides them.
+    def linear_q(self, q: torch.Tensor, scale: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Already-quantized activations (int8 [M,K], fp32 scale [M]) -> bf16 [M, N]."""
+        w, ws = self.unpacked(packed)
+        return torch.ops.pypto.a8w8_linear_q_ref(q, scale, w, ws)
+
+    def rmsnorm_quant(self, x, residual, gamma, eps: float, deferred: bool = False):
+        """(x [+ residual]) -> (q, scale, h: the next residual)."""
+        return tuple(torch.ops.pypto.rmsnorm_quant_ref(x, residual, gamma, eps, deferred))
+
+    def silu_mul_quant(self, gate_up):
+        return tuple(torch.ops.pypto.silu_mul_quant_ref(gate_up))
+
+    def gate_up_silu_quant(self, q, scale, packed):
+        w, ws = self.unpacked(packed)
+        return tuple(torch.ops.pypto.gate_up_silu_quant_ref(q, scale, w, ws))
+
+    def unpacked(self, packed: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """int8 [N,K] and fp32 [N] for the reference ops (a backend that repacks overrides every op)."""
+        return packed["weight"], packed["weight_scale"]
+
 
 class ReferenceBackend(A8W8Backend):
     name = "reference"
@@ -91,6 +113,23 @@ class CpuNativeBackend(A8W8Backend):
     def gemm_int32(self, x, amax, packed):
         return torch.ops.pypto_cpu.a8w8_gemm_s32(x, packed["weight_packed"], packed["weight_comp"], amax,
                                                  packed["weight_scale"].numel())
+
+    def linear_q(self, q, scale, packed):
+        return torch.ops.pypto_cpu.a8w8_linear_q(q, scale, packed["weight_packed"], packed["weight_comp"],
+                                                 packed["weight_scale"])
+
+    def rmsnorm_quant(self, x, residual, gamma, eps, deferred=False):
+        return tuple(torch.ops.pypto_cpu.rmsnorm_quant(x, residual, gamma, eps, deferred))
+
+    def silu_mul_quant(self, gate_up):
+        return tuple(torch.ops.pypto_cpu.silu_mul_quant(gate_up))
+
+    def gate_up_silu_quant(self, q, scale, packed):
+        return tuple(torch.ops.pypto_cpu.gate_up_silu_quant(q, scale, packed["weight_packed"], packed["weight_comp"],
+                                                            packed["weight_scale"]))
+
+    def unpacked(self, packed):
+        raise NotImplementedError("the cpu backend runs every op natively")
 
 
 def native_cpu_status() -> str | None:

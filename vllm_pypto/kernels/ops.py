@@ -9,7 +9,7 @@ from torch.library import Library
 
 from vllm.utils.torch_utils import direct_register_custom_op
 
-from . import reference
+from . import layer_ref, reference
 
 # The library object must outlive the ops; one per process, created on import.
 pypto_lib = Library("pypto", "FRAGMENT")
@@ -38,6 +38,74 @@ direct_register_custom_op("quantize_per_token_ref", _quantize_per_token, fake_im
                           target_lib=pypto_lib, dispatch_key="CPU")
 
 
+# The model class's fused ops (kernels/layer_ref.py), one dispatch each.
+def _rmsnorm_quant_ref(x: torch.Tensor, residual: torch.Tensor | None, gamma: torch.Tensor, eps: float,
+                       deferred: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return layer_ref.rmsnorm_quant(x, residual, gamma, eps, deferred)
+
+
+def _rmsnorm_quant_fake(x, residual, gamma, eps, deferred):
+    x2 = x.reshape(-1, x.shape[-1])
+    return torch.empty_like(x2, dtype=torch.int8), x2.new_empty(x2.shape[0], dtype=torch.float32), torch.empty_like(x2)
+
+
+def _silu_mul_quant_ref(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer_ref.silu_mul_quant(gate_up)
+
+
+def _silu_mul_quant_fake(gate_up):
+    x2 = gate_up.reshape(-1, gate_up.shape[-1])
+    return (x2.new_empty(x2.shape[0], x2.shape[1] // 2, dtype=torch.int8),
+            x2.new_empty(x2.shape[0], dtype=torch.float32))
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    g, u = gate_up.float().chunk(2, dim=-1)
+    return layer_ref.silu_mul(g, u)
+
+
+def _silu_mul_fake(gate_up):
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+def _linear_q_ref(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+                  ) -> torch.Tensor:
+    return layer_ref.linear_q(q, scale, weight, weight_scale)
+
+
+def _linear_q_fake(q, scale, weight, weight_scale):
+    return q.new_empty(q.shape[0], weight_scale.shape[0], dtype=torch.bfloat16)
+
+
+def _gate_up_silu_quant_ref(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer_ref.gate_up_silu_quant(q, scale, weight, weight_scale)
+
+
+def _gate_up_silu_quant_fake(q, scale, *packed):
+    n = packed[-1].shape[0]
+    return q.new_empty(q.shape[0], n // 2), scale.new_empty(q.shape[0])
+
+
+def _qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_gamma: torch.Tensor,
+                  k_gamma: torch.Tensor, eps: float, theta: float, broken_q_rope: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer_ref.qk_norm_rope(q, k, positions, q_gamma, k_gamma, eps, theta, broken_q_rope)
+
+
+def _qk_norm_rope_fake(q, k, positions, q_gamma, k_gamma, eps, theta, broken_q_rope):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+for _name, _fn, _fake in (("rmsnorm_quant_ref", _rmsnorm_quant_ref, _rmsnorm_quant_fake),
+                          ("silu_mul_quant_ref", _silu_mul_quant_ref, _silu_mul_quant_fake),
+                          ("silu_mul", _silu_mul, _silu_mul_fake),
+                          ("a8w8_linear_q_ref", _linear_q_ref, _linear_q_fake),
+                          ("gate_up_silu_quant_ref", _gate_up_silu_quant_ref, _gate_up_silu_quant_fake),
+                          ("qk_norm_rope", _qk_norm_rope, _qk_norm_rope_fake)):
+    direct_register_custom_op(_name, _fn, fake_impl=_fake, target_lib=pypto_lib, dispatch_key="CPU")
+
+
 def _register_native_fakes() -> None:
     """Shapes of the native CPU ops for torch.compile; they exist only where _C is built."""
     try:
@@ -52,6 +120,14 @@ def _register_native_fakes() -> None:
     @torch.library.register_fake("pypto_cpu::a8w8_gemm_s32")
     def _(x, packed, comp, amax, N):
         return x.new_empty(amax.shape[0], N, dtype=torch.int32)
+
+    torch.library.register_fake("pypto_cpu::a8w8_linear_q")(
+        lambda q, scale, packed, comp, weight_scale: _linear_q_fake(q, scale, packed, weight_scale))
+    torch.library.register_fake("pypto_cpu::rmsnorm_quant")(
+        lambda x, residual, gamma, eps, deferred: list(_rmsnorm_quant_fake(x, residual, gamma, eps, deferred)))
+    torch.library.register_fake("pypto_cpu::silu_mul_quant")(lambda gate_up: list(_silu_mul_quant_fake(gate_up)))
+    torch.library.register_fake("pypto_cpu::gate_up_silu_quant")(
+        lambda q, scale, packed, comp, weight_scale: list(_gate_up_silu_quant_fake(q, scale, weight_scale)))
 
 
 _register_native_fakes()

@@ -25,6 +25,8 @@ from .linear import PyptoA8W8LinearMethod
 from .scheme import W8A8Scheme
 
 NAME = "pypto-a8w8"
+MODEL_ARCH = "PyptoQwen3ForCausalLM"  # registered by vllm_pypto.register
+MODEL_ENV = "VLLM_PYPTO_MODEL"
 logger = logging.getLogger("vllm.pypto")
 
 
@@ -88,11 +90,22 @@ class PyptoA8W8Config(QuantizationConfig):
         return PyptoA8W8LinearMethod(prefix, source_int8=source_int8, run_bf16=run_bf16)
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None):
-        """Preflight, before any weight is allocated: architecture and every linear tensor."""
-        if hf_config is not None:
-            check_architecture(hf_config)
+        """Preflight, before any weight is allocated: architecture and every linear tensor.
+        Then point vLLM at our Qwen3 model class (vllm_pypto/model/qwen3.py)."""
         flags.parse(os.environ.get(flags.ENV))  # unknown names fail here, before the engine starts
-        if hf_config is None or not os.path.isdir(model_name):
+        if hf_config is None or getattr(hf_config, "architectures", None) == [MODEL_ARCH]:
+            return  # no config to check, or checked already (vLLM may build the config twice)
+        check_architecture(hf_config)
+        self._preflight(model_name, hf_config)
+        model = os.environ.get(MODEL_ENV, "pypto").strip().lower()
+        if model not in ("pypto", "vllm"):
+            raise ValueError(f"{MODEL_ENV}={model!r}: choose pypto (fused decoder layers) or vllm (vLLM's Qwen3)")
+        if model == "pypto":
+            hf_config.architectures = [MODEL_ARCH]
+        logger.info("pypto-a8w8: model class %s", hf_config.architectures[0])
+
+    def _preflight(self, model_name: str, hf_config) -> None:
+        if not os.path.isdir(model_name):
             logger.warning("pypto-a8w8: %s is not a local folder; checkpoint preflight skipped "
                            "(the loader still checks dtypes, shapes and scales)", model_name)
             return

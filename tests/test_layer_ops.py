@@ -1,0 +1,123 @@
+"""The model class's fused ops: the reference (kernels/layer_ref.py) against the spec's plain
+order and against the golden model's formulas, and the native kernels against the reference
+(equal int8 values and scales, so the GEMMs behind them see the same input)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from golden_qwen3 import GoldenQwen3, quant_rows
+from vllm_pypto.kernels import CpuNativeBackend, ReferenceBackend, cpu_isa_flags
+from vllm_pypto.kernels import layer_ref as L
+from vllm_pypto.kernels import reference as R
+
+BF16 = torch.bfloat16
+native = pytest.mark.skipif("avx512_vnni" not in cpu_isa_flags(), reason="this CPU has no AVX512-VNNI")
+
+
+def _rows(M, H, seed, special=False):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, H, generator=g) * torch.exp(torch.randn(M, 1, generator=g))).to(BF16)
+    r = (torch.randn(M, H, generator=g) * 4).to(BF16)
+    if special:
+        x[0], r[0] = 0, 0                      # all-zero row: the amax floor
+        if M > 1:
+            x[1] *= 1e30                       # huge but finite
+        if M > 2:
+            x[2, H // 3] = float("nan")        # poisons its own row only
+        if M > 3:
+            r[3, 0] = float("inf")
+    gamma = (torch.rand(H, generator=g) * 2).to(BF16)
+    return x, r, gamma
+
+
+def _same_quant(a, b):
+    """(q, scale) pairs equal, NaN scales in the same rows."""
+    return torch.equal(a[0], b[0]) and torch.equal(torch.isnan(a[1]), torch.isnan(b[1])) and \
+        torch.equal(a[1].nan_to_num(0), b[1].nan_to_num(0))
+
+
+def _same_bf16(a, b):
+    """Bit-identical, NaN payloads aside (NaN positions must match)."""
+    na, nb = torch.isnan(a), torch.isnan(b)
+    return torch.equal(na, nb) and torch.equal(a.masked_fill(na, 0).view(torch.int16),
+                                               b.masked_fill(nb, 0).view(torch.int16))
+
+
+def test_rmsnorm_quant_is_norm_then_quant():
+    x, r, gamma = _rows(5, 300, 0)
+    q, s, h = L.rmsnorm_quant(x, r, gamma, 1e-6)
+    assert torch.equal(h, (x.float() + r.float()).to(BF16))
+    hf = h.float()
+    y = (hf * torch.rsqrt(hf.square().mean(-1, keepdim=True) + 1e-6) * gamma.float()).to(BF16)
+    q2, s2 = R.quantize_per_token(y)
+    # fp32 vs fp64 mean square: at most a rare one-step flip, never more
+    assert (q.int() - q2.int()).abs().max() <= 1 and (q != q2).float().mean() < 1e-2
+    torch.testing.assert_close(s, s2, rtol=1e-6, atol=0)
+    q0, _, h0 = L.rmsnorm_quant(x, None, gamma, 1e-6)  # first layer: no residual yet
+    assert torch.equal(h0, x) and h0.data_ptr() != x.data_ptr()
+
+
+def test_deferred_rms_equals_plain_up_to_rounding():
+    x, r, gamma = _rows(8, 512, 1)
+    q, s, _ = L.rmsnorm_quant(x, r, gamma, 1e-6)
+    qd, sd, _ = L.rmsnorm_quant(x, r, gamma, 1e-6, deferred=True)
+    y, yd = q.float() * s[:, None], qd.float() * sd[:, None]
+    assert not torch.equal(q, qd)  # not the same computation...
+    assert ((y - yd).abs().amax(-1) <= 1.5 * s).all()  # ...but within about one int8 step
+
+
+def test_silu_mul_quant_matches_the_golden_formula():
+    g = torch.Generator().manual_seed(2)
+    gu = (torch.randn(6, 2 * 200, generator=g) * 3).to(BF16)
+    q, s = L.silu_mul_quant(gu)
+    gate, up = gu.float().chunk(2, -1)
+    qg, sg = quant_rows((torch.nn.functional.silu(gate) * up).to(BF16))  # the golden's fp32 SiLU
+    assert (q.long() - qg).abs().max() <= 1 and (q.long() != qg).float().mean() < 1e-2
+    torch.testing.assert_close(s, sg, rtol=1e-6, atol=0)
+
+
+def test_qk_norm_rope_matches_the_golden_and_the_guardrail_breaks_it(tiny_w8a8):
+    gold = GoldenQwen3(tiny_w8a8)
+    T, nq, nkv, hd = 5, gold.nh, gold.nkv, gold.hd
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(T, nq, hd, generator=g).to(BF16), torch.randn(T, nkv, hd, generator=g).to(BF16)
+    pos = torch.tensor([0, 1, 2, 7, 300])
+    qg, kg = (gold.t[f"model.layers.0.self_attn.{n}_norm.weight"] for n in "qk")
+    qo, ko = L.qk_norm_rope(q, k, pos, qg, kg, gold.eps, gold.cfg["rope_theta"])
+    assert torch.equal(qo, gold.rope(gold.rms(q, "model.layers.0.self_attn.q_norm.weight"), pos).to(BF16))
+    assert torch.equal(ko, gold.rope(gold.rms(k, "model.layers.0.self_attn.k_norm.weight"), pos).to(BF16))
+    qb, kb = L.qk_norm_rope(q, k, pos, qg, kg, gold.eps, gold.cfg["rope_theta"], broken_q_rope=True)
+    assert torch.equal(kb, ko) and not torch.equal(qb, qo)
+    # the upstream failure mode: invisible at one token (batch-1 decode)
+    q1, _ = L.qk_norm_rope(q[:1], k[:1], pos[3:4], qg, kg, gold.eps, gold.cfg["rope_theta"])
+    qb1, _ = L.qk_norm_rope(q[:1], k[:1], pos[3:4], qg, kg, gold.eps, gold.cfg["rope_theta"], broken_q_rope=True)
+    assert torch.equal(q1, qb1)
+
+
+@native
+@pytest.mark.parametrize("M,H", [(1, 256), (1, 5120), (3, 1000), (4, 77), (17, 1024), (64, 2048)])
+@pytest.mark.parametrize("special", [False, True])
+def test_native_fused_ops_equal_reference(M, H, special):
+    ref, nat = ReferenceBackend(), CpuNativeBackend()
+    x, r, gamma = _rows(M, H, M * H, special)
+    for residual in (None, r):
+        for deferred in (False, True):
+            a = ref.rmsnorm_quant(x, residual, gamma, 1e-6, deferred)
+            b = nat.rmsnorm_quant(x, residual, gamma, 1e-6, deferred)
+            assert _same_quant(a[:2], b[:2]), (residual is None, deferred)
+            assert _same_bf16(a[2], b[2])
+    gu = torch.cat([x, r], dim=-1)
+    assert _same_quant(ref.silu_mul_quant(gu), nat.silu_mul_quant(gu))
+    g = torch.Generator().manual_seed(H)
+    for N in (H + 5, 2 * H):  # N not a multiple of the 64-channel tile; an even N for gate_up
+        w = torch.randint(-127, 128, (N, H), generator=g, dtype=torch.int8)
+        ws = torch.rand(N, generator=g) * 0.01 + 1e-4
+        pr, pn = ref.prepack(w, ws), nat.prepack(w, ws)
+        q, s = R.quantize_per_token(x)
+        a, b = ref.linear_q(q, s, pr), nat.linear_q(q, s, pn)
+        assert _same_bf16(a, b)
+        # the prequantized GEMM is the bf16-input GEMM when fed the same quantization
+        assert torch.equal(a.nan_to_num(0), ref.linear(x, pr).nan_to_num(0))
+    assert _same_quant(ref.gate_up_silu_quant(q, s, pr), nat.gate_up_silu_quant(q, s, pn))
