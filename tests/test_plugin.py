@@ -49,7 +49,7 @@ def test_flags_registry():
         flags.active({"pypto_flags": 3})
     assert all(f.status in flags.STATUSES for f in flags.FLAGS.values())
     out = subprocess.run([sys.executable, "-m", "vllm_pypto.flags"], capture_output=True, text=True, check=True).stdout
-    assert "| `bf16_down_proj` | experimental |" in out
+    assert "| `bf16_down_proj` | rejected |" in out
     assert "| `guardrail_broken_q_rope` | rejected (test only) |" in out
     assert all(f"`{n}`" in out for n in flags.FLAGS)
 

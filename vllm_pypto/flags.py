@@ -23,7 +23,7 @@ class Flag:
     name: str
     description: str
     status: str
-    tpot_effect: str  # measured, with the shape it was measured on; "not measured" until it is
+    tpot_effect: str  # measured (shape, against the default path's range in the same session)
     test_only: bool = False  # exists to prove a check can fail; refused unless TEST_FLAGS_ENV=1
 
 
@@ -31,16 +31,17 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
     Flag("fused_qk_norm_rope",
          "Q/K per-head RMSNorm and RoPE as one op in fp32 (one bf16 rounding, the spec's order); the Q heads "
          "of a GQA group rotate as one tile with cos/sin replicated per head",
-         "experimental", "not measured"),
+         "experimental", "0.6B in-process: +10-25% alone (78-93 vs 64-79 ms), none with the other two flags "
+         "(67-69 ms); host noise ~10%"),
     Flag("deferred_rms",
          "Quantize bf16(x*gamma) and fold 1/rms into the activation scale after the GEMM (upstream decode trick)",
-         "experimental", "not measured"),
+         "experimental", "0.6B in-process: none measurable (62-71 vs 64-79 ms)"),
     Flag("fused_gate_up_silu",
          "SiLU(gate)*up and the down-proj's quantization in the gate_up GEMM's fp32 epilogue (no bf16 gate/up)",
-         "experimental", "not measured"),
+         "experimental", "0.6B in-process: 62-66 vs 64-79 ms, within noise"),
     Flag("bf16_down_proj",
          "Run mlp.down_proj in bf16 (int8 checkpoints are dequantized at load), as the upstream did",
-         "experimental", "not measured"),
+         "rejected", "0.6B in-process: +40% (95-105 vs 64-79 ms), twice the down-proj bytes"),
     Flag("guardrail_broken_q_rope",
          "TEST ONLY: fused_qk_norm_rope with cos/sin replicated token-major, the upstream's non-equivalent batched "
          "Q RoPE; the quality checks must fail with it",

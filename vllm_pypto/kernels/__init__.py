@@ -8,7 +8,8 @@ Backends: `reference` (torch, always there, the golden numerics) and `cpu` (our
 AVX512-VNNI / AMX-INT8 kernels, built with the package). `auto` (the default) takes `cpu` where the
 CPU has VNNI and the extension is built, else `reference` with one warning. A PyPTO/Ascend
 backend plugs in here too, imported lazily, so the serving path never imports what the
-machine cannot run. Choose with VLLM_PYPTO_BACKEND=auto|reference|cpu; VLLM_PYPTO_CPU_AMX=0
+machine cannot run (`pypto`: kernels/ascend/, where torch_npu is installed). Choose with
+VLLM_PYPTO_BACKEND=auto|reference|cpu|pypto; VLLM_PYPTO_CPU_AMX=0
 keeps the cpu backend on AVX512-VNNI for every M.
 """
 
@@ -143,7 +144,24 @@ def native_cpu_status() -> str | None:
     return None
 
 
-BACKENDS = ("auto", "reference", "cpu")
+BACKENDS = ("auto", "reference", "cpu", "pypto")
+
+
+def ascend_present() -> bool:
+    """torch_npu is installed: an Ascend stack, where the PyPTO backend runs. Checked without
+    importing anything, so CPU serving never loads torch_npu or pypto."""
+    import importlib.util
+
+    return importlib.util.find_spec("torch_npu") is not None
+
+
+def _pypto_backend() -> A8W8Backend:
+    from .ascend.backend import PyptoBackend, npu_status
+
+    why_not = npu_status()
+    if why_not is not None:
+        raise RuntimeError(f"VLLM_PYPTO_BACKEND=pypto but {why_not}")
+    return PyptoBackend()
 
 
 def cpu_isa_flags() -> list[str]:
@@ -162,7 +180,9 @@ def get_backend(name: str | None = None) -> A8W8Backend:
     if name not in BACKENDS:
         raise ValueError(f"VLLM_PYPTO_BACKEND={name!r} is not a backend; choose one of {', '.join(BACKENDS)}")
     backend: A8W8Backend = ReferenceBackend()
-    if name in ("auto", "cpu"):
+    if name == "pypto" or (name == "auto" and ascend_present()):
+        backend = _pypto_backend()
+    elif name in ("auto", "cpu"):
         why_not = native_cpu_status()
         if why_not is None:
             backend = CpuNativeBackend()

@@ -87,22 +87,11 @@ def _gate_up_silu_quant_fake(q, scale, *packed):
     return q.new_empty(q.shape[0], n // 2), scale.new_empty(q.shape[0])
 
 
-def _qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_gamma: torch.Tensor,
-                  k_gamma: torch.Tensor, eps: float, theta: float, broken_q_rope: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    return layer_ref.qk_norm_rope(q, k, positions, q_gamma, k_gamma, eps, theta, broken_q_rope)
-
-
-def _qk_norm_rope_fake(q, k, positions, q_gamma, k_gamma, eps, theta, broken_q_rope):
-    return torch.empty_like(q), torch.empty_like(k)
-
-
 for _name, _fn, _fake in (("rmsnorm_quant_ref", _rmsnorm_quant_ref, _rmsnorm_quant_fake),
                           ("silu_mul_quant_ref", _silu_mul_quant_ref, _silu_mul_quant_fake),
                           ("silu_mul", _silu_mul, _silu_mul_fake),
                           ("a8w8_linear_q_ref", _linear_q_ref, _linear_q_fake),
-                          ("gate_up_silu_quant_ref", _gate_up_silu_quant_ref, _gate_up_silu_quant_fake),
-                          ("qk_norm_rope", _qk_norm_rope, _qk_norm_rope_fake)):
+                          ("gate_up_silu_quant_ref", _gate_up_silu_quant_ref, _gate_up_silu_quant_fake)):
     direct_register_custom_op(_name, _fn, fake_impl=_fake, target_lib=pypto_lib, dispatch_key="CPU")
 
 

@@ -1,0 +1,143 @@
+"""The PyPTO (Ascend) backend's kernels, checked on this CPU through pypto's interpreter
+(vllm_pypto/kernels/ascend/verify.py) against the reference backend, and the guarantee that
+CPU serving never imports pypto. Interpreter calls take seconds each: shapes stay small."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pypto = pytest.importorskip("pypto", reason="the ascend extra (pypto==0.2.0) is not installed")
+
+from vllm_pypto.kernels import layer_ref as L  # noqa: E402
+from vllm_pypto.kernels import reference as R  # noqa: E402
+from vllm_pypto.kernels.ascend import kernels as K  # noqa: E402
+from vllm_pypto.kernels.ascend.verify import cost_model, hook, run_on_cpu  # noqa: E402
+
+SIM = pypto.RunMode.SIM
+
+
+def test_hook_replaces_exactly_the_method_it_was_written_for():
+    h = hook()
+    assert h.original_sha256() == h.ORIGINAL_SHA256, "pypto changed the private method patches/ replaces"
+    h.install()
+    h.install()  # idempotent
+    from pypto.frontend.parser import entry
+
+    assert entry.JitCallableWrapper.__dict__["_setup_verify_data"].__func__._pypto_patched
+
+
+def _linear_case(M, Kd, N, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, Kd, generator=g) * 3).to(torch.bfloat16)
+    if M > 1:
+        x[0] = 0  # all-zero row: the amax floor (a batch of one keeps a non-zero row to compare)
+    w = torch.randint(-127, 128, (N, Kd), generator=g, dtype=torch.int8)
+    ws = torch.rand(N, generator=g) * 0.01 + 1e-4
+    return x, w, ws
+
+
+@pytest.mark.parametrize("M,Kd,N", [(1, 64, 32), (5, 128, 96)])
+def test_a8w8_linear_kernel_equals_reference(M, Kd, N):
+    x, w, ws = _linear_case(M, Kd, N, M * N)
+    y = torch.zeros(M, N, dtype=torch.bfloat16)
+    run_on_cpu(K.a8w8_linear(M, Kd, N, SIM), x, w, ws.reshape(1, N), y)
+    ref = R.a8w8_linear(x, w, ws)
+    assert y.abs().sum() > 0, "the interpreter returned zeros: the verify hook did not take"
+    diff = (y.float() - ref.float()).abs()
+    print(f"\nmax |pypto - reference| {diff.max().item():.3g} (values up to {ref.float().abs().max().item():.3g})")
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def _block_case(M, H, I, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, H, generator=g) * 2).to(torch.bfloat16)
+    r = (torch.randn(M, H, generator=g) * 3).to(torch.bfloat16)
+    gamma = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16)
+    wgu = torch.randint(-127, 128, (2 * I, H), generator=g, dtype=torch.int8)
+    wd = torch.randint(-127, 128, (H, I), generator=g, dtype=torch.int8)
+    return x, r, gamma, wgu, torch.rand(2 * I, generator=g) * 0.02 + 1e-4, wd, torch.rand(H, generator=g) * 0.01 + 1e-4
+
+
+@pytest.mark.parametrize("M", [1, 3])  # ragged batch sizes
+def test_rmsnorm_quant_kernel_equals_reference(M):
+    H = 128
+    x, r, gamma, *_ = _block_case(M, H, 64, M)
+    q, s, h = torch.zeros(M, H, dtype=torch.int8), torch.zeros(M, 1), torch.zeros(M, H, dtype=torch.bfloat16)
+    run_on_cpu(K.rmsnorm_quant(M, H, 1e-6, SIM), x, r, gamma.reshape(1, H), q, s, h)
+    qr, sr, hr = L.rmsnorm_quant(x, r, gamma, 1e-6)
+    assert torch.equal(h, hr)
+    # fp32 mean square here, fp64 in the reference: at most a rare one-step flip
+    assert (q.int() - qr.int()).abs().max() <= 1 and (q != qr).float().mean() < 1e-2
+    torch.testing.assert_close(s[:, 0], sr, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("M", [1, 5])
+def test_mlp_block_kernel_equals_reference(M):
+    """residual + post-norm + quant, gate_up, SiLU*up + quant, down: one PyPTO kernel."""
+    H, I = 128, 256  # noqa: E741
+    x, r, gamma, wgu, sgu, wd, sd = _block_case(M, H, I, 10 + M)
+    out, h = torch.zeros(M, H, dtype=torch.bfloat16), torch.zeros(M, H, dtype=torch.bfloat16)
+    run_on_cpu(K.mlp_block(M, H, I, 1e-6, SIM), x, r, gamma.reshape(1, H), wgu, sgu.reshape(1, -1), wd,
+               sd.reshape(1, -1), out, h)
+    q, s, hr = L.rmsnorm_quant(x, r, gamma, 1e-6)
+    q2, s2 = L.silu_mul_quant(L.linear_q(q, s, wgu, sgu))
+    ref = L.linear_q(q2, s2, wd, sd)
+    assert torch.equal(h, hr)
+    # one int8 step of the down-proj input may flip (fp32 vs fp64 norm and SiLU), nothing more
+    err = (out.float() - ref.float()).abs().max().item()
+    print(f"\nmlp block: max |pypto - reference| {err:.3g} of {ref.float().abs().max().item():.3g}")
+    assert err <= 0.02 * ref.float().abs().max().item()
+
+
+def test_qk_norm_rope_kernel_equals_reference():
+    """Head rows token-major with cos/sin replicated per row (the corrected upstream form)."""
+    T, nq, nkv, hd = 3, 4, 2, 128
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(T, nq, hd, generator=g).to(torch.bfloat16)
+    k = torch.randn(T, nkv, hd, generator=g).to(torch.bfloat16)
+    qg, kg = ((torch.rand(hd, generator=g) + 0.5).to(torch.bfloat16) for _ in range(2))
+    pos = torch.tensor([0, 5, 4000])
+    qr, _ = L.qk_norm_rope(q, k, pos, qg, kg, 1e-6, 1e6)
+    cos, sin = L.rope_cos_sin(pos, hd, 1e6)
+    out = torch.zeros(T * nq, hd, dtype=torch.bfloat16)
+    run_on_cpu(K.qk_norm_rope(T * nq, hd, 1e-6, SIM), q.reshape(T * nq, hd), qg.reshape(1, hd),
+               cos.repeat_interleave(nq, 0).contiguous(), sin.repeat_interleave(nq, 0).contiguous(), out)
+    ref = qr.reshape(T * nq, hd).float()
+    assert out.abs().sum() > 0
+    # fp32 rsqrt and sum order may move a value by one bf16 rounding step, no more
+    torch.testing.assert_close(out.float(), ref, rtol=2 ** -7, atol=1e-3)
+
+
+def test_decode_attention_kernel_equals_spec():
+    B, nkv, group, S, hd = 2, 2, 2, 16, 128
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(B, nkv, group, hd, generator=g).to(torch.bfloat16)
+    k = torch.randn(B, nkv, S, hd, generator=g).to(torch.bfloat16)
+    v = torch.randn(B, nkv, S, hd, generator=g).to(torch.bfloat16)
+    out = torch.zeros(B, nkv, group, hd, dtype=torch.bfloat16)
+    run_on_cpu(K.decode_attention(B, nkv, group, S, hd, SIM), q, k, v, out)
+    p = torch.softmax(q.float() @ k.float().transpose(-1, -2) * hd ** -0.5, dim=-1).to(torch.bfloat16)
+    ref = (p.float() @ v.float()).to(torch.bfloat16)
+    assert out.abs().sum() > 0
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=2e-3)
+
+
+def test_cost_model_counts_tasks():
+    M, Kd, N = 4, 64, 32
+    x, w, ws = _linear_case(M, Kd, N, 0)
+    rep = cost_model(K.a8w8_linear(M, Kd, N, SIM), x, w, ws.reshape(1, N), torch.zeros(M, N, dtype=torch.bfloat16))
+    assert rep["tasks"] >= 2 and rep["cube_tasks"] >= 1 and rep["vector_tasks"] >= 1 and rep["cycles"] > 0, rep
+
+
+def test_cpu_serving_never_imports_pypto(tiny_w8a8):
+    code = ("import sys\nfrom vllm_pypto import register\nregister()\n"
+            "from vllm_pypto.kernels import get_backend\nget_backend()\n"
+            "import vllm_pypto.model.qwen3, vllm_pypto.quant.linear\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('pypto', 'torch_npu')]\n"
+            "assert not bad, bad\nprint('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
