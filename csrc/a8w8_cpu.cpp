@@ -413,7 +413,11 @@ inline float silu_times(float g, float u) {
 // One row of SiLU(gate) * up -> bf16 -> per-token int8. gate/up given as fp32 producers.
 template <class G, class U>
 VNNI_TARGET void silu_quant_row(int64_t I, G gate, U up, uint16_t* y, int8_t* q, float* scale) {
-  for (int64_t k = 0; k < I; ++k) y[k] = at::BFloat16(silu_times(gate(k), up(k))).x;
+  // The fp64 exp dominates: split the row over threads (serial when the caller already runs
+  // rows in parallel, where at::parallel_for does not nest).
+  at::parallel_for(0, I, 512, [&](int64_t b, int64_t e) {
+    for (int64_t k = b; k < e; ++k) y[k] = at::BFloat16(silu_times(gate(k), up(k))).x;
+  });
   quantize_row<false>(reinterpret_cast<const at::BFloat16*>(y), I, I, reinterpret_cast<uint8_t*>(q), scale);
 }
 
