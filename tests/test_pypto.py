@@ -126,6 +126,22 @@ def test_decode_attention_kernel_equals_spec():
     torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=2e-3)
 
 
+@pytest.mark.heavy
+def test_mlp_block_kernel_at_the_14b_decode_shape():
+    """Opt-in (`make test-heavy`): the MLP block at Qwen3-14B width, batch 4, through the interpreter."""
+    M, H, I = 4, 5120, 17408  # noqa: E741
+    x, r, gamma, wgu, sgu, wd, sd = _block_case(M, H, I, 14)
+    out, h = torch.zeros(M, H, dtype=torch.bfloat16), torch.zeros(M, H, dtype=torch.bfloat16)
+    run_on_cpu(K.mlp_block(M, H, I, 1e-6, SIM), x, r, gamma.reshape(1, H), wgu, sgu.reshape(1, -1), wd,
+               sd.reshape(1, -1), out, h)
+    q, s, _ = L.rmsnorm_quant(x, r, gamma, 1e-6)
+    q2, s2 = L.silu_mul_quant(L.linear_q(q, s, wgu, sgu))
+    ref = L.linear_q(q2, s2, wd, sd).float()
+    cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0).item()
+    print(f"\n14B MLP block: cosine {cos:.7f}, max |diff| {(out.float() - ref).abs().max().item():.3g}")
+    assert cos > 0.9999
+
+
 def test_cost_model_counts_tasks():
     M, Kd, N = 4, 64, 32
     x, w, ws = _linear_case(M, Kd, N, 0)
