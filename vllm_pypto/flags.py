@@ -31,17 +31,19 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
     Flag("fused_qk_norm_rope",
          "Q/K per-head RMSNorm and RoPE as one op in fp32 (one bf16 rounding, the spec's order); the Q heads "
          "of a GQA group rotate as one tile with cos/sin replicated per head",
-         "experimental", "0.6B in-process: +10-25% alone (78-93 vs 64-79 ms), none with the other two flags "
-         "(67-69 ms); host noise ~10%"),
+         "experimental", "0.6B vllm serve batch-1 (benchmarks/serving.py): 86.0 vs 84.7 ms default; in-process "
+         "+10-25% alone, none with the other two flags; host noise ~10%"),
     Flag("deferred_rms",
          "Quantize bf16(x*gamma) and fold 1/rms into the activation scale after the GEMM (upstream decode trick)",
-         "experimental", "0.6B in-process: none measurable (62-71 vs 64-79 ms)"),
+         "experimental", "0.6B vllm serve batch-1: 87.6 vs 84.7 ms default (+3%); in-process none measurable"),
     Flag("fused_gate_up_silu",
          "SiLU(gate)*up and the down-proj's quantization in the gate_up GEMM's fp32 epilogue (no bf16 gate/up)",
-         "experimental", "0.6B in-process: 62-66 vs 64-79 ms, within noise"),
+         "experimental", "0.6B vllm serve batch-1: 87.4 vs 84.7 ms default (+3%); all three flags together "
+         "84.3 ms; in-process within noise"),
     Flag("bf16_down_proj",
          "Run mlp.down_proj in bf16 (int8 checkpoints are dequantized at load), as the upstream did",
-         "rejected", "0.6B in-process: +40% (95-105 vs 64-79 ms), twice the down-proj bytes"),
+         "rejected", "0.6B vllm serve batch-1: +21% (102.1 vs 84.7 ms); in-process +40%; twice the down-proj "
+         "bytes"),
     Flag("guardrail_broken_q_rope",
          "TEST ONLY: fused_qk_norm_rope with cos/sin replicated token-major, the upstream's non-equivalent batched "
          "Q RoPE; the quality checks must fail with it",

@@ -1,0 +1,84 @@
+"""The configuration grammar every benchmark shares, so one name means one thing in
+tpot.py, serving.py, quality.py and accuracy.py:
+
+    method[:fmt][@backend][+noamx][+vllm-model][+<flag>...]
+
+- method: `bf16` (stock vLLM, no quantization), `ct` (vLLM-CPU's own compressed-tensors
+  path; needs a W8A8 folder) or `pypto-a8w8` (ours);
+- fmt: the checkpoint folder to use, `bf16` or `w8a8` (default: bf16 for bf16/pypto-a8w8,
+  w8a8 for ct);
+- @backend: our kernel backend, VLLM_PYPTO_BACKEND (`reference`, `cpu`, `pypto`);
+- +noamx: the cpu backend on VNNI for every M; +vllm-model: vLLM's Qwen3 class with our
+  linears; +<flag>: a flag of vllm_pypto.flags (unknown names fail here, before any start).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from vllm_pypto import flags
+
+METHODS = ("bf16", "ct", "pypto-a8w8")
+MODS = ("noamx", "vllm-model")
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    method: str
+    fmt: str
+    backend: str = ""
+    flags: tuple[str, ...] = ()
+    mods: tuple[str, ...] = ()
+    env: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def quantization(self) -> str | None:
+        """vLLM's --quantization value (None: the checkpoint's own, or none for bf16)."""
+        return "pypto-a8w8" if self.method == "pypto-a8w8" else None
+
+    def serve_args(self) -> list[str]:
+        return ["--quantization", self.quantization] if self.quantization else []
+
+
+def parse(name: str) -> Config:
+    head, *mods = name.split("+")
+    spec, _, backend = head.partition("@")
+    method, _, fmt = spec.partition(":")
+    if method not in METHODS:
+        raise ValueError(f"config {name!r}: method must be one of {', '.join(METHODS)}, not {method!r}")
+    fmt = fmt or ("w8a8" if method == "ct" else "bf16")
+    if fmt not in ("bf16", "w8a8") or (method == "ct" and fmt != "w8a8"):
+        raise ValueError(f"config {name!r}: format {fmt!r} is not one this method runs")
+    chosen = tuple(m for m in mods if m not in MODS)
+    if (backend or mods) and method != "pypto-a8w8":
+        raise ValueError(f"config {name!r}: @backend and +modifiers apply to pypto-a8w8 only")
+    flags.parse(chosen)  # raises with the list of valid flags
+    env = {}
+    if backend:
+        env["VLLM_PYPTO_BACKEND"] = backend
+    if chosen:
+        env[flags.ENV] = ",".join(chosen)
+    if "noamx" in mods:
+        env["VLLM_PYPTO_CPU_AMX"] = "0"
+    if "vllm-model" in mods:
+        env["VLLM_PYPTO_MODEL"] = "vllm"
+    return Config(name, method, fmt, backend, chosen, tuple(m for m in mods if m in MODS), env)
+
+
+def offered_flags() -> list[str]:
+    """Flags a user may turn on (test-only guardrails excluded)."""
+    return [f.name for f in flags.FLAGS.values() if not f.test_only]
+
+
+def flag_combinations(base: str = "pypto-a8w8", all_subsets: bool = False) -> list[str]:
+    """base, base+each offered flag, and base with every experimental flag at once; with
+    all_subsets, every non-empty subset of the offered flags."""
+    names = offered_flags()
+    if all_subsets:
+        subsets = [c for k in range(1, len(names) + 1) for c in itertools.combinations(names, k)]
+    else:
+        together = tuple(n for n in names if flags.FLAGS[n].status == "experimental")
+        subsets = [(n,) for n in names] + ([together] if len(together) > 1 else [])
+    return [base] + [base + "".join("+" + n for n in s) for s in subsets]

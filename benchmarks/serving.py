@@ -1,0 +1,288 @@
+"""Serving performance of every configuration, measured side by side in one run with
+vLLM's own serving benchmark (`vllm bench serve`, random dataset), against the memory
+bandwidth limit measured in the same run.
+
+    python benchmarks/serving.py --shapes 0.6B,1.7B --configs bf16,ct:w8a8,pypto-a8w8:w8a8 \
+        --flag-combos --concurrency 1,4,16
+
+Per shape and configuration it starts `vllm serve` on a random-weight Qwen3 folder (made
+once under --checkpoints), drives it at each --concurrency and records TTFT, TPOT, ITL and
+E2EL (mean, median, p99), request and token throughput, and, with --dispatches, the
+operator dispatches per batch-1 decode step (vllm_pypto.tools.dispatches). --llama-cpp
+adds llama.cpp Q8_0 on the same weights (benchmarks/llama_cpp_peer.py) as a peer. Each batch-1
+TPOT is also given as a ratio to the bandwidth bound (weight bytes a decode step reads /
+DRAM read GB/s, probed before and after the shape's runs) and to the first configuration.
+Writes results/<date>-<machine>-serving.{json,md,png}.
+
+Configs follow benchmarks/configs.py; --flag-combos adds pypto-a8w8 with each offered flag
+and with all experimental flags together (--all-flag-subsets: every subset).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import report as report_file  # noqa: E402  (benchmarks/report.py)
+from configs import Config, flag_combinations, parse  # noqa: E402  (benchmarks/configs.py)
+from vllm_pypto.tools.make_checkpoint import make_checkpoint  # noqa: E402
+from vllm_pypto.tools.server import VllmServer, vllm_command  # noqa: E402
+from vllm_pypto.tools.shapes import SHAPES, VOCAB  # noqa: E402
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+STATS = ("mean", "median", "p99")
+THROUGHPUT = ("request_throughput", "output_throughput", "total_token_throughput")
+
+
+def log(msg: str, t0: float = time.time()) -> None:
+    print(f"[{time.time() - t0:7.0f}s] {msg}", flush=True)
+
+
+def weight_bytes(shape: str, fmt: str) -> int:
+    """Bytes a batch-1 decode step reads: every linear (int8 or bf16) and the bf16 lm_head."""
+    s = SHAPES[shape]
+    return s.linear_params() * (1 if fmt == "w8a8" else 2) + 2 * VOCAB * s.hidden
+
+
+def resident_bytes(shape: str, fmt: str) -> int:
+    """What the server holds: the linears, embeddings and an untied lm_head."""
+    s = SHAPES[shape]
+    return s.linear_params() * (1 if fmt == "w8a8" else 2) + 2 * VOCAB * s.hidden * (1 if s.tied else 2)
+
+
+def memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def checkpoint(root: str, shape: str, fmt: str) -> str:
+    path = os.path.join(root, f"qwen3-{shape}-{fmt}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        log(f"writing the random-weight {shape} {fmt} checkpoint to {path}")
+        make_checkpoint(path, shape, fmt)
+    return path
+
+
+def summarize(raw: dict) -> dict:
+    """The fields we report from one `vllm bench serve --save-result` JSON."""
+    out = {"completed": raw["completed"], "failed": raw.get("failed", 0), "duration_s": raw["duration"],
+           **{k: raw[k] for k in THROUGHPUT}}
+    for m in METRICS:
+        for st in STATS:
+            out[f"{st}_{m}_ms"] = raw.get(f"{st}_{m}_ms")
+    if out["completed"] == 0:
+        raise RuntimeError("vllm bench serve completed no request")
+    return out
+
+
+def bench_serve(url: str, tokenizer: str, concurrency: int, num_prompts: int, input_len: int,
+                output_len: int, workdir: str) -> dict:
+    name = f"c{concurrency}.json"
+    cmd = [vllm_command(), "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", "m",
+           "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(input_len),
+           "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
+           "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", "0", "--disable-tqdm",
+           "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99",
+           "--save-result", "--result-dir", workdir, "--result-filename", name]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    with open(os.path.join(workdir, name)) as f:
+        return summarize(json.load(f))
+
+
+def count_dispatches(model: str, c: Config) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "d.json")
+        # the tool sets VLLM_PYPTO_FLAGS and VLLM_PYPTO_MODEL from its own options
+        cmd = [sys.executable, "-m", "vllm_pypto.tools.dispatches", "--model", model, "--out", out,
+               *(["--quantization", c.quantization] if c.quantization else []),
+               *(["--flags", ",".join(c.flags)] if c.flags else []),
+               *(["--stock-model-class"] if "vllm-model" in c.mods else [])]
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **c.env}
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            return {"error": r.stderr[-500:]}
+        with open(out) as f:
+            d = json.load(f)
+    return {"per_step": d["per_step"], "per_layer": d["per_layer"]}
+
+
+def run_config(name: str, shape: str, a: argparse.Namespace) -> dict:
+    c = parse(name)
+    # the limit is the int8 model's: every config is measured against what A8W8 must read
+    row = {"config": name, "shape": shape, "fmt": c.fmt, "weight_bytes_per_token": weight_bytes(shape, "w8a8")}
+    need = resident_bytes(shape, c.fmt)
+    if need > 0.85 * memory_bytes():
+        row["skipped"] = f"{need / 2**30:.0f} GiB of weights do not fit in {memory_bytes() / 2**30:.0f} GiB"
+        log(f"{shape} {name}: skipped ({row['skipped']})")
+        return row
+    model = checkpoint(a.checkpoints, shape, c.fmt)
+    args = ["--max-model-len", str(a.input_len + a.output_len + 64), "--served-model-name", "m",
+            "--no-enable-prefix-caching", *c.serve_args()]
+    t0 = time.time()
+    row["runs"] = {}
+    with VllmServer(model, *args, env=c.env, startup_timeout=3600) as s, tempfile.TemporaryDirectory() as d:
+        row["startup_s"] = round(time.time() - t0, 1)
+        log(f"{shape} {name}: server up in {row['startup_s']:.0f}s")
+        bench_serve(s.url, model, 1, 1, 16, 4, d)  # warm-up: first-request compilation is not serving
+        for conc in a.concurrency:
+            n = max(a.num_prompts, conc * a.rounds)
+            res = bench_serve(s.url, model, conc, n, a.input_len, a.output_len, d)
+            row["runs"][str(conc)] = res
+            log(f"{shape} {name} concurrency {conc}: TPOT median {res['median_tpot_ms']:.1f} ms, "
+                f"TTFT median {res['median_ttft_ms']:.0f} ms, {res['output_throughput']:.1f} output tok/s")
+    if a.dispatches:
+        row["dispatches"] = count_dispatches(model, c)
+    return row
+
+
+def run_or_record(name: str, shape: str, a: argparse.Namespace) -> dict:
+    """A configuration that fails (a server that does not start, runs out of memory) is a
+    row with its error, and the sweep goes on: hours of other measurements are not lost."""
+    try:
+        return run_config(name, shape, a)
+    except (RuntimeError, TimeoutError, OSError) as e:
+        log(f"{shape} {name}: FAILED {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        return {"config": name, "shape": shape, "error": str(e)[-3000:]}
+
+
+def add_ratios(rows: list[dict], peers: list[dict], bw_gbs: float | None) -> None:
+    """TPOT at batch 1 as a ratio to the bandwidth bound, to the first measured config and
+    to each peer."""
+    measured = [r for r in rows if "runs" in r and "1" in r["runs"]]
+    base = measured[0]["runs"]["1"]["median_tpot_ms"] if measured else None
+    for r in measured:
+        tpot = r["runs"]["1"]["median_tpot_ms"]
+        r["tpot_vs_first"] = tpot / base
+        r["tpot_vs_peers"] = {p["name"]: tpot / p["tpot_ms"] for p in peers}
+        if bw_gbs:
+            r["bound_ms"] = r["weight_bytes_per_token"] / (bw_gbs * 1e9) * 1e3
+            r["tpot_vs_bound"] = tpot / r["bound_ms"]
+
+
+def markdown(report: dict) -> str:
+    lines = []
+    for sh in report["shapes"]:
+        bw = sh["dram_read_gbs"]
+        lines += [f"### {sh['shape']}: DRAM read {bw[0]:.1f} GB/s before, {bw[1]:.1f} after; "
+                  f"input {report['input_len']} / output {report['output_len']} tokens", "",
+                  "| config | conc. | TPOT ms (mean / median / p99) | TTFT ms (median / p99) | ITL ms (median) "
+                  "| E2EL s (median) | req/s | output tok/s | TPOT / bound | TPOT vs first | TPOT vs peers "
+                  "| dispatches/step |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in sh["rows"]:
+            if "skipped" in r or "error" in r:
+                why = f"skipped: {r['skipped']}" if "skipped" in r else "failed: " + r["error"].splitlines()[0][:120]
+                lines.append(f"| {r['config']} | - | {why} | | | | | | | | | |")
+                continue
+            for conc, m in r["runs"].items():
+                b1 = conc == "1" and "tpot_vs_bound" in r
+                ratio = f"{r['tpot_vs_bound']:.2f}x ({r['bound_ms']:.0f} ms)" if b1 else ""
+                first = f"{r['tpot_vs_first']:.2f}x" if conc == "1" and "tpot_vs_first" in r else ""
+                vs = ", ".join(f"{v:.2f}x {k}" for k, v in r.get("tpot_vs_peers", {}).items()) if conc == "1" else ""
+                disp = r.get("dispatches", {}).get("per_step", "") if conc == "1" else ""
+                lines.append(
+                    f"| {r['config']} | {conc} | {m['mean_tpot_ms']:.1f} / {m['median_tpot_ms']:.1f} / "
+                    f"{m['p99_tpot_ms']:.1f} | {m['median_ttft_ms']:.0f} / {m['p99_ttft_ms']:.0f} | "
+                    f"{m['median_itl_ms']:.1f} | {m['median_e2el_ms'] / 1e3:.2f} | {m['request_throughput']:.2f} | "
+                    f"{m['output_throughput']:.1f} | {ratio} | {first} | {vs} | {disp} |")
+        for p in sh.get("peers", []):
+            bound = f"{p['tpot_ms'] / p['bound_ms']:.2f}x" if "bound_ms" in p else ""
+            lines.append(f"| {p['name']} (peer, {p['threads']} threads) | 1 | - / {p['tpot_ms']:.1f} / - | "
+                         f"{p['ttft_ms']:.0f} / - | | | | {1e3 / p['tpot_ms']:.1f} | {bound} | | | |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> bool:
+    """Batch-1 TPOT per configuration and shape, beside each shape's bandwidth bound."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    shapes = report["shapes"]
+    most = max(len(sh["rows"]) + len(sh.get("peers", [])) for sh in shapes)
+    fig, axes = plt.subplots(1, len(shapes), figsize=(8 * len(shapes), 1.5 + 0.55 * most), squeeze=False)
+    for ax, sh in zip(axes[0], shapes):
+        rows = [r for r in sh["rows"] if "tpot_vs_bound" in r]
+        names = [r["config"].replace("+", "\n+") for r in rows] + [p["name"] for p in sh.get("peers", [])]
+        vals = [r["runs"]["1"]["median_tpot_ms"] for r in rows] + [p["tpot_ms"] for p in sh.get("peers", [])]
+        bars = ax.barh(range(len(vals)), vals,
+                       color=["tab:blue"] * len(rows) + ["tab:gray"] * (len(vals) - len(rows)))
+        ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
+        ax.set_yticks(range(len(vals)), names, fontsize=7)
+        for r in rows[:1]:
+            ax.axvline(r["bound_ms"], color="tab:red", ls="--", label=f"bandwidth bound {r['bound_ms']:.0f} ms")
+        ax.set_xlabel("batch-1 TPOT, ms (median)")
+        ax.set_title(f"Qwen3-{sh['shape']} (random weights)")
+        ax.invert_yaxis()
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="0.6B")
+    ap.add_argument("--configs", default="bf16,ct:w8a8,pypto-a8w8:w8a8")
+    ap.add_argument("--flag-combos", action="store_true", help="add pypto-a8w8:w8a8 with each flag")
+    ap.add_argument("--all-flag-subsets", action="store_true", help="add every subset of the offered flags")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--num-prompts", type=int, default=4, help="per concurrency level, at least")
+    ap.add_argument("--rounds", type=int, default=2, help="num prompts >= rounds x concurrency")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--dispatches", action="store_true", help="count dispatches per decode step (one more engine)")
+    ap.add_argument("--llama-cpp", action="store_true", help="add llama.cpp Q8_0 (benchmarks/llama_cpp_peer.py)")
+    ap.add_argument("--no-bandwidth", action="store_true", help="skip the DRAM probe (no ratios)")
+    ap.add_argument("--checkpoints", default="checkpoints")
+    ap.add_argument("--out", default="results")
+    ap.add_argument("--tag", default="serving")
+    a = ap.parse_args(argv)
+    a.concurrency = [int(c) for c in a.concurrency.split(",")]
+    configs = a.configs.split(",")
+    if a.flag_combos or a.all_flag_subsets:
+        configs += [c for c in flag_combinations("pypto-a8w8:w8a8", a.all_flag_subsets) if c not in configs]
+    for c in configs:
+        parse(c)  # every name is checked before the first server starts
+    from linear import dram_read_gbs  # torch + our probe; imported late so --help stays fast
+
+    report = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": platform.node(), "cpus": os.cpu_count(),
+              "input_len": a.input_len, "output_len": a.output_len, "concurrency": a.concurrency, "shapes": []}
+    for shape in a.shapes.split(","):
+        bw0 = 0.0 if a.no_bandwidth else max(dram_read_gbs().values())
+        log(f"{shape}: DRAM read {bw0:.1f} GB/s")
+        rows = [run_or_record(c, shape, a) for c in configs]
+        peers = []
+        if a.llama_cpp:  # the same weights as a Q8_0 GGUF; needs llama-cpp-python and gguf
+            from llama_cpp_peer import peer
+            peers = [peer(checkpoint(a.checkpoints, shape, "w8a8"), a.output_len, a.input_len)]
+            log(f"{shape} llama.cpp Q8_0: TPOT median {peers[0]['tpot_ms']:.1f} ms")
+        bw1 = 0.0 if a.no_bandwidth else max(dram_read_gbs().values())
+        add_ratios(rows, peers, None if a.no_bandwidth else max(bw0, bw1))
+        for p in peers:
+            if not a.no_bandwidth:
+                p["bound_ms"] = weight_bytes(shape, "w8a8") / (max(bw0, bw1) * 1e9) * 1e3
+        report["shapes"].append({"shape": shape, "dram_read_gbs": [bw0, bw1], "rows": rows, "peers": peers})
+    md = markdown(report)
+    stem = report_file.write(a.out, a.tag, report, md)
+    plotted = not a.no_bandwidth and plot(report, stem + ".png")
+    print("\n" + md)
+    print(f"wrote {stem}.json, {stem}.md" + (f", {stem}.png" if plotted else ""))
+    return 1 if any("error" in r for sh in report["shapes"] for r in sh["rows"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

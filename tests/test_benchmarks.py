@@ -1,0 +1,211 @@
+"""The benchmark tools (benchmarks/): their config grammar, the quality gate's decisions,
+and each script end to end on the tiny checkpoint, run as a user runs it (a subprocess
+with real engines, servers, `vllm bench serve` and lm-eval)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import configs  # noqa: E402
+import quality  # noqa: E402
+from accuracy import prediction  # noqa: E402
+from vllm_pypto import flags  # noqa: E402
+
+ENV = {"VLLM_PYPTO_ALLOW_TEST_FLAGS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+GUARDRAIL = "pypto-a8w8+guardrail_broken_q_rope"
+
+
+def run_script(name: str, *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", name), *args], cwd=ROOT,
+                          env={**os.environ, **ENV}, capture_output=True, text=True, timeout=timeout)
+
+
+def only_json(folder) -> dict:
+    (name,) = [n for n in os.listdir(folder) if n.endswith(".json")]
+    with open(os.path.join(folder, name)) as f:
+        return json.load(f)
+
+
+# ---- the config grammar -------------------------------------------------------------------
+
+def test_config_grammar():
+    c = configs.parse("pypto-a8w8:w8a8@reference+noamx+vllm-model+deferred_rms+fused_gate_up_silu")
+    assert (c.method, c.fmt, c.backend, c.flags, c.mods) == (
+        "pypto-a8w8", "w8a8", "reference", ("deferred_rms", "fused_gate_up_silu"), ("noamx", "vllm-model"))
+    assert c.env == {"VLLM_PYPTO_BACKEND": "reference", flags.ENV: "deferred_rms,fused_gate_up_silu",
+                     "VLLM_PYPTO_CPU_AMX": "0", "VLLM_PYPTO_MODEL": "vllm"}
+    assert c.serve_args() == ["--quantization", "pypto-a8w8"]
+    assert configs.parse("ct").fmt == "w8a8" and configs.parse("ct").serve_args() == []
+    assert configs.parse("bf16").quantization is None
+    for bad, msg in [("pypto-a8w8+no_such_flag", "no_such_flag"), ("fp8", "method"), ("ct:bf16", "format"),
+                     ("bf16+deferred_rms", "pypto-a8w8 only")]:
+        with pytest.raises(ValueError, match=msg):
+            configs.parse(bad)
+
+
+def test_flag_combinations_cover_every_offered_flag():
+    combos = configs.flag_combinations()
+    offered = configs.offered_flags()
+    assert combos[0] == "pypto-a8w8" and "guardrail_broken_q_rope" not in offered
+    assert all(f"pypto-a8w8+{f}" in combos for f in offered)
+    experimental = [f for f in offered if flags.FLAGS[f].status == "experimental"]
+    assert "pypto-a8w8" + "".join("+" + f for f in experimental) in combos
+    assert len(configs.flag_combinations(all_subsets=True)) == 2 ** len(offered)
+
+
+# ---- the quality gate's logic -----------------------------------------------------------
+
+def test_repetition_detector():
+    loop = [5, 6, 7] * 16
+    assert quality.looping(loop) and quality.longest_repeat(loop) == 45
+    assert quality.distinct(loop) == pytest.approx(3 / 47)
+    fresh = list(range(48))
+    assert not quality.looping(fresh) and quality.longest_repeat(fresh) == 0 and quality.distinct(fresh) == 1.0
+    # a phrase said twice is not a loop; the same phrase to the end is
+    assert not quality.looping(list(range(24)) + list(range(24)))
+    assert quality.looping(list(range(20)) + [1, 2, 3, 4] * 7)
+
+
+def _step(top: dict[int, float]) -> dict:
+    return {str(t): lp for t, lp in top.items()}
+
+
+def test_margin_rule_separates_near_ties_from_confident_steps():
+    # reference: 3 greedy steps with margins 0.05 (near-tie), 2.0 (sure), 2.0
+    ref = {"token_ids": [1, 2, 3], "logprobs": [_step({1: -0.70, 9: -0.75}), _step({2: -0.1, 9: -2.1}),
+                                                _step({3: -0.1, 9: -2.1})]}
+    gate = SimpleNamespace(margin=1.0, min_agreement=0.5, max_mean_dlp=0.5)
+    # noise: the near-tie flips, the sure steps hold
+    noisy = quality.compare(ref, {"token_ids": [9, 2, 3]}, [{"rank": 2, "logprob": -0.8}, {"rank": 1, "logprob": -0.1},
+                                                            {"rank": 1, "logprob": -0.12}], 3, gate.margin)
+    assert noisy["first_divergence"] == 0 and noisy["margin_at_divergence"] == pytest.approx(0.05)
+    assert noisy["violations"] == [] and quality.judge([noisy], gate)["passed"]
+    # a bug: a sure step overturned
+    bug = quality.compare(ref, {"token_ids": [1, 9, 9]}, [{"rank": 1, "logprob": -0.7}, {"rank": 3, "logprob": -3.0},
+                                                          {"rank": 1, "logprob": -0.1}], 3, gate.margin)
+    verdict = quality.judge([bug], gate)
+    assert [v["step"] for v in bug["violations"]] == [1] and not verdict["passed"]
+    assert "overturned" in verdict["reasons"][0]
+    # a new loop fails even when the logprobs agree
+    looped = dict(noisy, repetition={"looping": True}, ref_repetition={"looping": False})
+    assert quality.judge([looped], gate)["reasons"] == ["1 prompts loop where the reference does not (allowed 0)"]
+
+
+def test_prediction_reads_lm_eval_samples():
+    mc = {"filtered_resps": [["-4.0", "False"], ["-1.5", "True"], ["-9", "False"]]}
+    gen = {"filtered_resps": ["[invalid]"], "resps": [[" forty two"]]}
+    assert prediction(mc) == 1 and prediction(gen) == " forty two"
+
+
+# ---- the scripts end to end on the tiny checkpoint -----------------------------------------
+
+def test_quality_script_passes_the_default_and_fails_the_guardrail(tiny_bf16, tmp_path):
+    r = run_script("quality.py", "--model", tiny_bf16, "--configs", f"pypto-a8w8,{GUARDRAIL}", "--out", str(tmp_path))
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = only_json(tmp_path)
+    assert rep["failed"] == [GUARDRAIL]
+    assert any("\u4e00" <= ch <= "\u9fff" for ch in "".join(rep["prompts"]))  # zh and en prompts
+    assert "The capital of France is" in rep["prompts"] and "介绍一下北京故宫" in rep["prompts"]
+    ok, bad = rep["configs"]["pypto-a8w8"]["lengths"], rep["configs"][GUARDRAIL]["lengths"]
+    assert set(ok) == {"16", "48"}
+    for n in ("16", "48"):
+        assert ok[n]["summary"]["passed"] and ok[n]["summary"]["violations"] == 0
+        assert len(ok[n]["prompts"][0]["tokens"]) == int(n)
+    assert bad["48"]["summary"]["violations"] > 0 and not bad["48"]["summary"]["passed"]
+    assert bad["48"]["summary"]["tf_top1"] < ok["48"]["summary"]["tf_top1"]
+    md = (tmp_path / [n for n in os.listdir(tmp_path) if n.endswith(".md")][0]).read_text()
+    assert "| pypto-a8w8 | 48 |" in md and "FAIL" in md
+
+
+def test_quality_script_refuses_a_quantized_reference(tiny_w8a8, tmp_path):
+    r = run_script("quality.py", "--model", tiny_w8a8, "--out", str(tmp_path), timeout=120)
+    assert r.returncode == 2 and "--reference" in r.stderr
+
+
+def test_serving_script_records_bench_serve_metrics(tmp_path):
+    out = tmp_path / "results"
+    r = run_script("serving.py", "--shapes", "tiny", "--configs", "pypto-a8w8:w8a8", "--concurrency", "1,2",
+                   "--num-prompts", "2", "--input-len", "16", "--output-len", "8",
+                   "--checkpoints", str(tmp_path / "ckpt"), "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = only_json(out)
+    (sh,) = rep["shapes"]
+    (row,) = sh["rows"]
+    assert min(sh["dram_read_gbs"]) > 0 and row["bound_ms"] > 0 and row["tpot_vs_first"] == 1.0
+    assert set(row["runs"]) == {"1", "2"}
+    for conc, m in row["runs"].items():
+        assert m["completed"] == max(2, 2 * int(conc)) and m["failed"] == 0
+        for metric in serving_metrics():
+            assert m[metric] is not None and m[metric] > 0, metric
+    assert row["tpot_vs_bound"] == pytest.approx(row["runs"]["1"]["median_tpot_ms"] / row["bound_ms"])
+    assert {n.rsplit(".", 1)[1] for n in os.listdir(out)} == {"json", "md", "png"}
+
+
+def serving_metrics() -> list[str]:
+    from serving import METRICS, STATS, THROUGHPUT
+    return [f"{s}_{m}_ms" for m in METRICS for s in STATS] + list(THROUGHPUT)
+
+
+def test_accuracy_script_runs_lm_eval_and_sees_the_guardrail(tiny_bf16, tmp_path):
+    r = run_script("accuracy.py", "--model", tiny_bf16, "--configs", f"pypto-a8w8,{GUARDRAIL}", "--limit", "12",
+                   "--min-agreement", "0.3", "--out", str(tmp_path))
+    rep = only_json(tmp_path)
+    rows = {(name, x["task"]): x for name, xs in rep["configs"].items() for x in xs}
+    print("\n" + "\n".join(f"{k}: {v['metric']} {v['config']:.3f} (ref {v['reference']:.3f}), "
+                           f"agreement {v['agreement']:.3f}" for k, v in rows.items()))
+    assert len(rows) == 2 * 5 and all(x["docs"] == 12 for x in rows.values())
+    for t in ("pypto_arith_en", "pypto_arith_zh", "pypto_capitals_en", "pypto_capitals_zh"):
+        assert rows[("pypto-a8w8", t)]["agreement"] >= 0.9  # int8 noise does not move a 4-way choice
+    gen = "pypto_arith_gen_en"
+    assert rows[(GUARDRAIL, gen)]["agreement"] < 0.3 <= rows[("pypto-a8w8", gen)]["agreement"]
+    assert r.returncode == 1 and rep["failed"] and all(f.startswith(GUARDRAIL) for f in rep["failed"])
+
+
+def test_llama_cpp_peer_runs_the_same_model(tiny_bf16, tmp_path):
+    """The peer's GGUF is our checkpoint, not just the same shapes: llama.cpp's logits on a
+    Q8_0 copy track the independent golden's bf16 logits at every position (a wrong RoPE
+    pairing or tensor mapping would not). Skipped where the optional peer is not installed
+    (`pip install ".[peers]"`, which builds llama.cpp)."""
+    pytest.importorskip("gguf")
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import numpy as np
+    from golden_qwen3 import GoldenQwen3
+    from llama_cpp_peer import measure, write_gguf
+
+    path = write_gguf(tiny_bf16, str(tmp_path / "tiny-q8_0.gguf"))
+    ids = [9707, 11, 1879, 374, 264, 1273, 315, 279, 6366, 1849]
+    llm = llama_cpp.Llama(path, n_ctx=64, n_threads=2, verbose=False, logits_all=True)
+    llm.eval(ids)
+    peer_logits = np.array(llm.scores[: len(ids)])
+    llm.close()
+    golden = GoldenQwen3(tiny_bf16, a8w8=False).logits(ids).numpy()
+    for i in range(len(ids)):
+        assert np.corrcoef(peer_logits[i], golden[i])[0, 1] > 0.995, i
+        assert peer_logits[i].argmax() == golden[i].argmax(), i
+    timing = measure(path, tokens=4, prompt_tokens=8)
+    assert timing["tpot_ms"] > 0 and timing["tokens"] == 4
+
+
+def test_baseline_makes_the_bars_relative():
+    """On a deep random model int8 noise alone overturns confident steps (vLLM's own W8A8
+    too); against a baseline A8W8, matching its figures passes and exceeding them fails."""
+    gate = SimpleNamespace(margin=1.0, min_agreement=0.8, max_mean_dlp=0.25)
+    per = [{"tf_top1": 0.96, "token_agreement": 0.5, "mean_dlp": 0.4, "max_dlp": 20.0, "max_overturned_margin": 5.0,
+            "violations": [{}] * 3, "first_divergence": 0, "repetition": {"looping": False},
+            "ref_repetition": {"looping": False}}]
+    base = quality.judge(per, gate)
+    assert not base["passed"] and len(base["reasons"]) == 2  # absolute bars: violations and mean dlogprob
+    assert quality.judge(per, gate, base)["passed"]
+    assert quality.judge([dict(per[0], violations=[{}] * 7)], gate, base)["passed"]  # 3 + 2 sqrt(3), rounded up
+    worse = [dict(per[0], violations=[{}] * 8, tf_top1=0.9)]
+    reasons = quality.judge(worse, gate, base)["reasons"]
+    assert len(reasons) == 2 and "allowed 7" in reasons[0] and "0.940" in reasons[1]
