@@ -9,9 +9,8 @@ requantized to Q8_0 (32-value blocks, fp16 scale); norms stay f32. Tensors are s
 to the file one at a time. Timing: prefill of --prompt-tokens fixed token ids (TTFT),
 then --tokens greedy single-token evals (TPOT = their median), no sampling overhead.
 
-Install: `pip install gguf llama-cpp-python` builds llama.cpp from source. Build it without
-AMX when the compiler is GCC (its AMX path dies with SIGILL here), e.g.
-CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON".
+Install: `bash scripts/install_peers.sh` (the `peers` extra's packages; llama-cpp-python builds
+llama.cpp from source, without AMX, which GCC builds cannot run here).
 """
 
 from __future__ import annotations

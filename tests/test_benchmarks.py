@@ -174,7 +174,7 @@ def test_llama_cpp_peer_runs_the_same_model(tiny_bf16, tmp_path):
     """The peer's GGUF is our checkpoint, not just the same shapes: llama.cpp's logits on a
     Q8_0 copy track the independent golden's bf16 logits at every position (a wrong RoPE
     pairing or tensor mapping would not). Skipped where the optional peer is not installed
-    (`pip install ".[peers]"`, which builds llama.cpp)."""
+    (scripts/install_peers.sh, which CI runs)."""
     pytest.importorskip("gguf")
     llama_cpp = pytest.importorskip("llama_cpp")
     import numpy as np
