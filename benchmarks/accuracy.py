@@ -33,16 +33,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report as report_file  # noqa: E402  (benchmarks/report.py)
 from configs import Config, parse  # noqa: E402  (benchmarks/configs.py)
 from quality import quantized  # noqa: E402
-from vllm_pypto.tools.server import VllmServer  # noqa: E402
+from vllm_pypto.tools.server import VllmServer, console_script  # noqa: E402
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_tasks")
 GROUP = {"pypto_local": ["pypto_arith_en", "pypto_arith_zh", "pypto_capitals_en", "pypto_capitals_zh",
                          "pypto_arith_gen_en"]}
-
-
-def lm_eval_command() -> str:
-    here = os.path.join(os.path.dirname(sys.executable), "lm_eval")
-    return here if os.path.exists(here) else "lm_eval"
 
 
 def run_lm_eval(url: str, tokenizer: str, tasks: list[str], out: str, limit: int | None) -> dict:
@@ -50,7 +45,7 @@ def run_lm_eval(url: str, tokenizer: str, tasks: list[str], out: str, limit: int
     and the per-document samples by task."""
     model_args = (f"model=m,base_url={url}/v1/completions,tokenizer={tokenizer},num_concurrent=4,"
                   "max_retries=2,tokenized_requests=False")
-    cmd = [lm_eval_command(), "--model", "local-completions", "--model_args", model_args, "--tasks", ",".join(tasks),
+    cmd = [console_script("lm_eval"), "--model", "local-completions", "--model_args", model_args, "--tasks", ",".join(tasks),
            "--include_path", TASKS_DIR, "--output_path", out, "--log_samples", "--seed", "0"]
     cmd += ["--limit", str(limit)] if limit else []
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

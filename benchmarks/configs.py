@@ -15,7 +15,7 @@ tpot.py, serving.py, quality.py and accuracy.py:
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vllm_pypto import flags
 
@@ -31,12 +31,25 @@ class Config:
     backend: str = ""
     flags: tuple[str, ...] = ()
     mods: tuple[str, ...] = ()
-    env: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def quantization(self) -> str | None:
         """vLLM's --quantization value (None: the checkpoint's own, or none for bf16)."""
         return "pypto-a8w8" if self.method == "pypto-a8w8" else None
+
+    @property
+    def env(self) -> dict:
+        """The environment that selects this configuration in vllm serve or an engine."""
+        env = {}
+        if self.backend:
+            env["VLLM_PYPTO_BACKEND"] = self.backend
+        if self.flags:
+            env[flags.ENV] = ",".join(self.flags)
+        if "noamx" in self.mods:
+            env["VLLM_PYPTO_CPU_AMX"] = "0"
+        if "vllm-model" in self.mods:
+            env["VLLM_PYPTO_MODEL"] = "vllm"
+        return env
 
     def serve_args(self) -> list[str]:
         return ["--quantization", self.quantization] if self.quantization else []
@@ -55,16 +68,7 @@ def parse(name: str) -> Config:
     if (backend or mods) and method != "pypto-a8w8":
         raise ValueError(f"config {name!r}: @backend and +modifiers apply to pypto-a8w8 only")
     flags.parse(chosen)  # raises with the list of valid flags
-    env = {}
-    if backend:
-        env["VLLM_PYPTO_BACKEND"] = backend
-    if chosen:
-        env[flags.ENV] = ",".join(chosen)
-    if "noamx" in mods:
-        env["VLLM_PYPTO_CPU_AMX"] = "0"
-    if "vllm-model" in mods:
-        env["VLLM_PYPTO_MODEL"] = "vllm"
-    return Config(name, method, fmt, backend, chosen, tuple(m for m in mods if m in MODS), env)
+    return Config(name, method, fmt, backend, chosen, tuple(m for m in mods if m in MODS))
 
 
 def offered_flags() -> list[str]:

@@ -35,7 +35,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import report as report_file  # noqa: E402  (benchmarks/report.py)
 from configs import flag_combinations, parse  # noqa: E402  (benchmarks/configs.py)
+from vllm_pypto.tools import generate  # noqa: E402
 
 PROMPTS = ["介绍一下北京故宫", "The capital of France is", "请写一首关于春天的诗", "中国的四大发明是",
            "Explain how a transformer language model works.", "今天天气很好，我们去",
@@ -54,26 +54,16 @@ TOP = 5  # logprobs per step: the reference's top-2 margin needs two
 
 def run_engine(model: str, quantization: str | None, env: dict, prompts: list[str], max_tokens: int,
                workdir: str, tag: str, score: list[dict] | None = None, chat: bool = False) -> dict:
-    """One engine (python -m vllm_pypto.tools.generate) for one configuration."""
-    pfile, out = os.path.join(workdir, tag + ".prompts.json"), os.path.join(workdir, tag + ".json")
-    with open(pfile, "w") as f:
-        json.dump(prompts, f, ensure_ascii=False)
-    cmd = [sys.executable, "-m", "vllm_pypto.tools.generate", "--model", model, "--prompts-json", pfile,
-           "--max-tokens", str(max_tokens), "--logprobs", str(TOP), "--out", out]
-    cmd += ["--quantization", quantization] if quantization else []
-    cmd += ["--chat"] if chat else []
+    """One engine (vllm_pypto.tools.generate in its own process) for one configuration."""
+    args = ["--max-tokens", str(max_tokens), "--logprobs", str(TOP)]
+    args += ["--quantization", quantization] if quantization else []
+    args += ["--chat"] if chat else []
     if score:
         sfile = os.path.join(workdir, tag + ".score.json")
         with open(sfile, "w") as f:
             json.dump(score, f)
-        cmd += ["--score-json", sfile]
-    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **env}
-    r = subprocess.run(cmd, env=full_env, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"engine for {tag} failed ({r.returncode}):\n{r.stderr[-4000:]}")
-    with open(out) as f:
-        return json.load(f)
+        args += ["--score-json", sfile]
+    return generate.run(model, prompts, os.path.join(workdir, tag + ".json"), *args, env=env)
 
 
 def quantized(folder: str) -> bool:

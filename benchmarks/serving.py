@@ -54,9 +54,9 @@ def weight_bytes(shape: str, fmt: str) -> int:
 
 
 def resident_bytes(shape: str, fmt: str) -> int:
-    """What the server holds: the linears, embeddings and an untied lm_head."""
+    """What the server holds: what a step reads, plus the embeddings when the head is untied."""
     s = SHAPES[shape]
-    return s.linear_params() * (1 if fmt == "w8a8" else 2) + 2 * VOCAB * s.hidden * (1 if s.tied else 2)
+    return weight_bytes(shape, fmt) + (0 if s.tied else 2 * VOCAB * s.hidden)
 
 
 def memory_bytes() -> int:
@@ -118,8 +118,7 @@ def count_dispatches(model: str, c: Config) -> dict:
 
 def run_config(name: str, shape: str, a: argparse.Namespace) -> dict:
     c = parse(name)
-    # the limit is the int8 model's: every config is measured against what A8W8 must read
-    row = {"config": name, "shape": shape, "fmt": c.fmt, "weight_bytes_per_token": weight_bytes(shape, "w8a8")}
+    row = {"config": name, "shape": shape, "fmt": c.fmt}
     need = resident_bytes(shape, c.fmt)
     if need > 0.85 * memory_bytes():
         row["skipped"] = f"{need / 2**30:.0f} GiB of weights do not fit in {memory_bytes() / 2**30:.0f} GiB"
@@ -155,18 +154,21 @@ def run_or_record(name: str, shape: str, a: argparse.Namespace) -> dict:
         return {"config": name, "shape": shape, "error": str(e)[-3000:]}
 
 
-def add_ratios(rows: list[dict], peers: list[dict], bw_gbs: float | None) -> None:
+def add_ratios(rows: list[dict], peers: list[dict], bound_ms: float | None) -> None:
     """TPOT at batch 1 as a ratio to the bandwidth bound, to the first measured config and
     to each peer."""
+    for p in peers:
+        if bound_ms:
+            p["bound_ms"] = bound_ms
     measured = [r for r in rows if "runs" in r and "1" in r["runs"]]
     base = measured[0]["runs"]["1"]["median_tpot_ms"] if measured else None
     for r in measured:
         tpot = r["runs"]["1"]["median_tpot_ms"]
         r["tpot_vs_first"] = tpot / base
         r["tpot_vs_peers"] = {p["name"]: tpot / p["tpot_ms"] for p in peers}
-        if bw_gbs:
-            r["bound_ms"] = r["weight_bytes_per_token"] / (bw_gbs * 1e9) * 1e3
-            r["tpot_vs_bound"] = tpot / r["bound_ms"]
+        if bound_ms:
+            r["bound_ms"] = bound_ms
+            r["tpot_vs_bound"] = tpot / bound_ms
 
 
 def markdown(report: dict) -> str:
@@ -222,8 +224,9 @@ def plot(report: dict, path: str) -> bool:
                        color=["tab:blue"] * len(rows) + ["tab:gray"] * (len(vals) - len(rows)))
         ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
         ax.set_yticks(range(len(vals)), names, fontsize=7)
-        for r in rows[:1]:
-            ax.axvline(r["bound_ms"], color="tab:red", ls="--", label=f"bandwidth bound {r['bound_ms']:.0f} ms")
+        if rows:
+            bound = rows[0]["bound_ms"]
+            ax.axvline(bound, color="tab:red", ls="--", label=f"bandwidth bound {bound:.0f} ms")
         ax.set_xlabel("batch-1 TPOT, ms (median)")
         ax.set_title(f"Qwen3-{sh['shape']} (random weights)")
         ax.invert_yaxis()
@@ -271,11 +274,11 @@ def main(argv: list[str] | None = None) -> int:
             peers = [peer(checkpoint(a.checkpoints, shape, "w8a8"), a.output_len, a.input_len)]
             log(f"{shape} llama.cpp Q8_0: TPOT median {peers[0]['tpot_ms']:.1f} ms")
         bw1 = 0.0 if a.no_bandwidth else max(dram_read_gbs().values())
-        add_ratios(rows, peers, None if a.no_bandwidth else max(bw0, bw1))
-        for p in peers:
-            if not a.no_bandwidth:
-                p["bound_ms"] = weight_bytes(shape, "w8a8") / (max(bw0, bw1) * 1e9) * 1e3
-        report["shapes"].append({"shape": shape, "dram_read_gbs": [bw0, bw1], "rows": rows, "peers": peers})
+        # the limit is the int8 model's: every config is measured against what A8W8 must read
+        need = weight_bytes(shape, "w8a8")
+        add_ratios(rows, peers, None if a.no_bandwidth else need / (max(bw0, bw1) * 1e9) * 1e3)
+        report["shapes"].append({"shape": shape, "dram_read_gbs": [bw0, bw1], "weight_bytes_per_token": need,
+                                 "rows": rows, "peers": peers})
     md = markdown(report)
     stem = report_file.write(a.out, a.tag, report, md)
     plotted = not a.no_bandwidth and plot(report, stem + ".png")

@@ -22,24 +22,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vllm_pypto.demo import chat_once  # noqa: E402
-from vllm_pypto.tools.make_checkpoint import make_checkpoint  # noqa: E402
 from vllm_pypto.tools.server import VllmServer  # noqa: E402
-from vllm_pypto.tools.shapes import SHAPES, VOCAB  # noqa: E402
 from configs import parse  # noqa: E402  (benchmarks/configs.py)
 from linear import dram_read_gbs  # noqa: E402  (benchmarks/linear.py)
-
-
-def bytes_per_token(shape: str) -> int:
-    """Weights a batch-1 decode step must read: every int8 linear and the bf16 lm_head."""
-    s = SHAPES[shape]
-    return s.linear_params() + 2 * VOCAB * s.hidden
-
-
-def checkpoint(root: str, shape: str, fmt: str) -> str:
-    path = os.path.join(root, f"qwen3-{shape}-{fmt}")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        make_checkpoint(path, shape, fmt)
-    return path
+from serving import checkpoint, weight_bytes  # noqa: E402  (benchmarks/serving.py)
 
 
 def run_config(cfg: str, root: str, shape: str, requests: int, max_tokens: int, prompt: str) -> dict:
@@ -73,8 +59,9 @@ def main() -> None:
     prompt = " ".join(["介绍一下北京故宫"] + ["the palace museum in beijing"] * (a.prompt_words // 5))
     configs = a.configs.split(",")
     bw = max(dram_read_gbs().values())
-    bound_ms = bytes_per_token(a.shape) / (bw * 1e9) * 1e3
-    print(f"DRAM read {bw:.1f} GB/s; {bytes_per_token(a.shape) / 1e6:.0f} MB of weights per token "
+    need = weight_bytes(a.shape, "w8a8")
+    bound_ms = need / (bw * 1e9) * 1e3
+    print(f"DRAM read {bw:.1f} GB/s; {need / 1e6:.0f} MB of weights per token "
           f"-> bandwidth bound {bound_ms:.1f} ms/token", flush=True)
     rows = [run_config(c, a.checkpoints, a.shape, a.requests, a.max_tokens, prompt) for c in configs]
     bw_after = max(dram_read_gbs().values())  # the host is shared: say how much it moved
@@ -84,7 +71,7 @@ def main() -> None:
         f"-prompt{a.prompt_words}" if a.prompt_words else "")
     with open(os.path.join(a.out, stamp + ".json"), "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "prompt_words": a.prompt_words,
-                   "dram_read_gbs": [bw, bw_after], "bytes_per_token": bytes_per_token(a.shape),
+                   "dram_read_gbs": [bw, bw_after], "bytes_per_token": need,
                    "bound_ms": bound_ms, "rows": rows}, f, indent=1)
     base = rows[0]["tpot_ms_median"]
     print(f"\n| config | shape | TPOT ms (median of {a.requests}) | TTFT ms | TPOT vs {rows[0]['config']} "

@@ -9,12 +9,10 @@ nothing leaks between configurations.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from vllm_pypto.tools import generate
 from vllm_pypto.tools.make_checkpoint import make_checkpoint
 
 PROMPTS = ["介绍一下北京故宫", "The capital of France is", "请写一首关于春天的诗",
@@ -42,17 +40,8 @@ def tiny_bf16(ckpt_root) -> str:
 
 def run_generate(model: str, out: str, *args: str, env: dict | None = None, max_tokens: int = 48,
                  prompts: list[str] = PROMPTS, timeout: float = 900) -> dict:
-    prompts_file = out + ".prompts.json"
-    with open(prompts_file, "w") as f:
-        json.dump(prompts, f, ensure_ascii=False)
-    cmd = [sys.executable, "-m", "vllm_pypto.tools.generate", "--model", model, "--prompts-json", prompts_file,
-           "--max-tokens", str(max_tokens), "--out", out, *args]
-    r = subprocess.run(cmd, env={**os.environ, **ENV, **(env or {})}, capture_output=True, text=True,
-                       timeout=timeout)
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
-    with open(out) as f:
-        return json.load(f)
+    return generate.run(model, prompts, out, "--max-tokens", str(max_tokens), *args, env={**ENV, **(env or {})},
+                        timeout=timeout)
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -54,6 +55,25 @@ def generate(model: str, prompts: list[str], max_tokens: int, quantization: str 
             "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in (c.logprobs or [])],
         })
     return {"results": results, "startup_s": startup, "scored": score(llm, score_items) if score_items else None}
+
+
+def run(model: str, prompts: list[str], out: str, *args: str, env: dict | None = None,
+        timeout: float | None = None) -> dict:
+    """This tool in a fresh process (one engine, nothing leaks between configurations), as
+    the tests and benchmarks/quality.py use it: `args` are its options after --model,
+    --prompts-json and --out. Returns its JSON."""
+    prompts_file = out + ".prompts.json"
+    with open(prompts_file, "w") as f:
+        json.dump(prompts, f, ensure_ascii=False)
+    cmd = [sys.executable, "-m", "vllm_pypto.tools.generate", "--model", model, "--prompts-json", prompts_file,
+           "--out", out, *args]
+    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **(env or {})}
+    r = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
+    with open(out) as f:
+        return json.load(f)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,10 +20,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def console_script(name: str) -> str:
+    """A console script (`vllm`, `lm_eval`) of this interpreter's environment, else PATH's."""
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    return here if os.path.exists(here) else (shutil.which(name) or name)
+
+
 def vllm_command() -> str:
-    """The `vllm` console script of this interpreter's environment."""
-    here = os.path.join(os.path.dirname(sys.executable), "vllm")
-    return here if os.path.exists(here) else (shutil.which("vllm") or "vllm")
+    return console_script("vllm")
 
 
 class VllmServer:
