@@ -405,19 +405,63 @@ VNNI_TARGET void rmsnorm_quant_row(const uint16_t* x, const uint16_t* res, const
   if (deferred) *scale = *scale * rinv;
 }
 
-inline float silu_times(float g, float u) {
-  const double gd = g;
-  return static_cast<float>(gd / (1.0 + std::exp(-gd))) * u;  // SiLU in fp64, then the fp32 product
+#define VNNI_DQ_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")))
+
+// exp(x) for 8 fp64 lanes with |x| <= 700: Cody-Waite reduction x = n ln2 + r (ln2 split so
+// that n * ln2_hi is exact), |r| <= ln2/2, Taylor to r^13 (truncation < 0.1 ulp), times 2^n.
+// Within about 1 ulp of fp64, like the reference's own exp (the reference and this kernel can
+// then differ only where the exact SiLU lies within ~1e-16 of an fp32 rounding boundary).
+VNNI_DQ_TARGET inline __m512d exp_pd(__m512d x) {
+  const __m512d n = _mm512_roundscale_pd(_mm512_mul_pd(x, _mm512_set1_pd(1.4426950408889634)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512d r = _mm512_fnmadd_pd(n, _mm512_set1_pd(6.93147180369123816490e-01), x);
+  r = _mm512_fnmadd_pd(n, _mm512_set1_pd(1.90821492927058770002e-10), r);
+  static constexpr double inv_fact[14] = {1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040,
+                                          1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800,
+                                          1.0 / 479001600, 1.0 / 6227020800};
+  __m512d p = _mm512_set1_pd(inv_fact[13]);
+  for (int k = 12; k >= 0; --k) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(inv_fact[k]));
+  const __m512i e = _mm512_slli_epi64(_mm512_add_epi64(_mm512_cvtpd_epi64(n), _mm512_set1_epi64(1023)), 52);
+  return _mm512_mul_pd(p, _mm512_castsi512_pd(e));
 }
 
-// One row of SiLU(gate) * up -> bf16 -> per-token int8. gate/up given as fp32 producers.
+// SiLU in fp64 rounded to fp32 (the reference's order) for 8 lanes; lanes outside exp_pd's
+// range, NaN and inf take std::exp, so their overflow, -0 and NaN results are the reference's.
+VNNI_DQ_TARGET inline __m256 silu_pd(__m256 g8) {
+  const __m512d g = _mm512_cvtps_pd(g8), x = _mm512_sub_pd(_mm512_setzero_pd(), g);
+  __m512d e = exp_pd(x);
+  const __mmask8 out = _mm512_cmp_pd_mask(_mm512_abs_pd(x), _mm512_set1_pd(700.0), _CMP_NLE_UQ);  // or NaN
+  if (out) {
+    alignas(64) double xs[8], es[8];
+    _mm512_store_pd(xs, x);
+    _mm512_store_pd(es, e);
+    for (int j = 0; j < 8; ++j)
+      if (out >> j & 1) es[j] = std::exp(xs[j]);
+    e = _mm512_load_pd(es);
+  }
+  return _mm512_cvtpd_ps(_mm512_div_pd(g, _mm512_add_pd(_mm512_set1_pd(1.0), e)));
+}
+
+// y[b, e) = bf16(SiLU(gate) * up), 16 lanes at a time; gate/up given as fp32 producers.
 template <class G, class U>
-VNNI_TARGET void silu_quant_row(int64_t I, G gate, U up, uint16_t* y, int8_t* q, float* scale) {
-  // The fp64 exp dominates: split the row over threads (serial when the caller already runs
-  // rows in parallel, where at::parallel_for does not nest).
-  at::parallel_for(0, I, 512, [&](int64_t b, int64_t e) {
-    for (int64_t k = b; k < e; ++k) y[k] = at::BFloat16(silu_times(gate(k), up(k))).x;
-  });
+VNNI_DQ_TARGET void silu_mul_span(int64_t b, int64_t e, G gate, U up, uint16_t* y) {
+  for (int64_t k = b; k < e; k += 16) {
+    const int64_t n = std::min<int64_t>(16, e - k);
+    alignas(64) float g[16] = {}, u[16] = {};
+    for (int64_t j = 0; j < n; ++j) g[j] = gate(k + j), u[j] = up(k + j);
+    const __m512 gv = _mm512_load_ps(g);
+    const __m512 s = _mm512_insertf32x8(_mm512_castps256_ps512(silu_pd(_mm512_castps512_ps256(gv))),
+                                        silu_pd(_mm512_extractf32x8_ps(gv, 1)), 1);
+    _mm256_mask_storeu_epi16(y + k, (__mmask16)((1u << n) - 1), to_bf16(_mm512_mul_ps(s, _mm512_load_ps(u))));
+  }
+}
+
+// One row of SiLU(gate) * up -> bf16 -> per-token int8.
+template <class G, class U>
+void silu_quant_row(int64_t I, G gate, U up, uint16_t* y, int8_t* q, float* scale) {
+  // Still the costliest elementwise op: split the row over threads (serial when the caller
+  // already runs rows in parallel, where at::parallel_for does not nest).
+  at::parallel_for(0, I, 512, [&](int64_t b, int64_t e) { silu_mul_span(b, e, gate, up, y); });
   quantize_row<false>(reinterpret_cast<const at::BFloat16*>(y), I, I, reinterpret_cast<uint8_t*>(q), scale);
 }
 
@@ -449,6 +493,26 @@ std::vector<torch::Tensor> rmsnorm_quant(torch::Tensor x, std::optional<torch::T
                         q.data_ptr<int8_t>() + r * H, scale.data_ptr<float>() + r);
   });
   return {q, scale, h};
+}
+
+// gate_up bf16 [..., 2I] -> bf16(SiLU(gate) * up) [..., I] (the bf16 down-proj's input).
+torch::Tensor silu_mul(torch::Tensor gu) {
+  auto x2 = rows2d(gu, "silu_mul");
+  const int64_t M = x2.size(0), I = x2.size(1) / 2;
+  TORCH_CHECK(x2.size(1) == 2 * I, "silu_mul: odd width");
+  auto out_shape = gu.sizes().vec();
+  out_shape.back() = I;
+  auto y = torch::empty({M, I}, gu.options());
+  const at::BFloat16* xp = x2.data_ptr<at::BFloat16>();
+  auto yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  at::parallel_for(0, M * I, 512, [&](int64_t b, int64_t e) {
+    for (int64_t r = b / I; r * I < e; ++r) {  // spans cut at row ends
+      const at::BFloat16* row = xp + r * 2 * I;
+      silu_mul_span(std::max(b, r * I) - r * I, std::min(e, (r + 1) * I) - r * I,
+                    [&](int64_t k) { return float(row[k]); }, [&](int64_t k) { return float(row[I + k]); }, yp + r * I);
+    }
+  });
+  return y.reshape(out_shape);
 }
 
 // gate_up bf16 [M, 2I] (gate first, as vLLM's merged gate_up_proj) -> (q int8 [M,I], scale fp32 [M])
@@ -555,6 +619,7 @@ TORCH_LIBRARY(pypto_cpu, m) {
   m.def("a8w8_gemm_s32(Tensor x, Tensor packed, Tensor comp, Tensor amax, int N) -> Tensor");
   m.def("a8w8_linear_q(Tensor q, Tensor scale, Tensor packed, Tensor comp, Tensor weight_scale) -> Tensor");
   m.def("rmsnorm_quant(Tensor x, Tensor? residual, Tensor gamma, float eps, bool deferred) -> Tensor[]");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("silu_mul_quant(Tensor gate_up) -> Tensor[]");
   m.def("gate_up_silu_quant(Tensor q, Tensor scale, Tensor packed, Tensor comp, Tensor weight_scale) -> Tensor[]");
 }
@@ -565,6 +630,7 @@ TORCH_LIBRARY_IMPL(pypto_cpu, CPU, m) {
   m.impl("a8w8_gemm_s32", &a8w8_gemm_s32);
   m.impl("a8w8_linear_q", &a8w8_linear_q);
   m.impl("rmsnorm_quant", &rmsnorm_quant);
+  m.impl("silu_mul", &silu_mul);
   m.impl("silu_mul_quant", &silu_mul_quant);
   m.impl("gate_up_silu_quant", &gate_up_silu_quant);
 }

@@ -15,7 +15,8 @@ pypto = pytest.importorskip("pypto", reason="the ascend extra (pypto==0.2.0) is 
 from vllm_pypto.kernels import layer_ref as L  # noqa: E402
 from vllm_pypto.kernels import reference as R  # noqa: E402
 from vllm_pypto.kernels.ascend import kernels as K  # noqa: E402
-from vllm_pypto.kernels.ascend.verify import cost_model, hook, run_on_cpu  # noqa: E402
+from vllm_pypto.kernels.ascend.backend import PyptoBackend  # noqa: E402
+from vllm_pypto.kernels.ascend.verify import cost_model, hook, interpreter, run_on_cpu  # noqa: E402
 
 SIM = pypto.RunMode.SIM
 
@@ -112,18 +113,102 @@ def test_qk_norm_rope_kernel_equals_reference():
     torch.testing.assert_close(out.float(), ref, rtol=2 ** -7, atol=1e-3)
 
 
-def test_decode_attention_kernel_equals_spec():
-    B, nkv, group, S, hd = 2, 2, 2, 16, 128
-    g = torch.Generator().manual_seed(8)
-    q = torch.randn(B, nkv, group, hd, generator=g).to(torch.bfloat16)
-    k = torch.randn(B, nkv, S, hd, generator=g).to(torch.bfloat16)
-    v = torch.randn(B, nkv, S, hd, generator=g).to(torch.bfloat16)
-    out = torch.zeros(B, nkv, group, hd, dtype=torch.bfloat16)
-    run_on_cpu(K.decode_attention(B, nkv, group, S, hd, SIM), q, k, v, out)
-    p = torch.softmax(q.float() @ k.float().transpose(-1, -2) * hd ** -0.5, dim=-1).to(torch.bfloat16)
-    ref = (p.float() @ v.float()).to(torch.bfloat16)
+def paged_caches(B, nkv, hd, bs, MB, lens, g):
+    """Random paged K/V caches, a scrambled block table per sequence (padded with block 0, as
+    vLLM pads) and each new token's slot at position len-1."""
+    nb = B * MB + 1
+    perm = torch.randperm(nb - 1, generator=g)[: B * MB].view(B, MB) + 1
+    tables = torch.zeros(B, MB, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        tables[b, :-(-n // bs)] = perm[b, :-(-n // bs)].int()
+    kc, vc = (torch.randn(nb * bs, nkv * hd, generator=g).to(torch.bfloat16) for _ in range(2))
+    slots = torch.tensor([[int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs] for b, n in enumerate(lens)])
+    return kc, vc, tables, slots
+
+
+def spec_attention(q, kn, vn, slots, tables, lens, kc, vc, nkv, bs):
+    """The spec in torch: write the new rows, attend over positions < len with fp32 scores and
+    softmax and bf16 probabilities. Returns (k_cache, v_cache, out bf16 [B*nq, hd])."""
+    hd = q.shape[1]
+    group = q.shape[0] // (len(lens) * nkv)
+    rk, rv = kc.clone(), vc.clone()
+    rk[slots[:, 0]], rv[slots[:, 0]] = kn, vn
+    out = torch.empty(q.shape)
+    for b, n in enumerate(lens):
+        rows = (tables[b].long()[:, None] * bs + torch.arange(bs)).reshape(-1)[:n]
+        for h in range(nkv):
+            k, v = (c[rows, h * hd:(h + 1) * hd].float() for c in (rk, rv))
+            r = slice((b * nkv + h) * group, (b * nkv + h + 1) * group)
+            p = torch.softmax(q[r].float() @ k.T * hd ** -0.5, dim=-1).to(torch.bfloat16)
+            out[r] = p.float() @ v
+    return rk, rv, out.to(torch.bfloat16)
+
+
+def _paging_args(tables, lens, MB, bs):
+    return tables, torch.tensor(lens, dtype=torch.int32)[:, None], torch.arange(MB * bs, dtype=torch.int32)[None]
+
+
+@pytest.mark.parametrize("lens", [[16], [5, 16, 1]])  # one full table; ragged lengths and batch
+def test_paged_decode_attention_kernel_equals_spec(lens):
+    B, nkv, group, hd, bs, MB = len(lens), 2, 2, 64, 4, 4
+    g = torch.Generator().manual_seed(20 + B)
+    kc, vc, tables, slots = paged_caches(B, nkv, hd, bs, MB, lens, g)
+    q, kn, vn = (torch.randn(*s, generator=g).to(torch.bfloat16) for s in ((B * nkv * group, hd), (B, nkv * hd),
+                                                                           (B, nkv * hd)))
+    rk, rv, ref = spec_attention(q, kn, vn, slots, tables, lens, kc, vc, nkv, bs)
+    out = torch.zeros(B * nkv * group, hd, dtype=torch.bfloat16)
+    run_on_cpu(K.paged_decode_attention(B, nkv, group, hd, kc.shape[0], bs, MB, SIM), q, kn, vn, slots,
+               *_paging_args(tables, lens, MB, bs), kc, vc, out)
+    assert torch.equal(kc, rk) and torch.equal(vc, rv), "the new K/V rows were not written to their slots"
     assert out.abs().sum() > 0
+    print(f"\npaged attention: max |pypto - spec| {(out.float() - ref.float()).abs().max().item():.3g}")
     torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=2e-3)
+
+
+def test_decode_layer_kernel_equals_reference():
+    """The whole decoder layer as one kernel, called through PyptoBackend.decode_layer, against
+    the reference chain the model class runs (layer_ref ops + the spec attention above), ragged
+    lengths over scrambled block tables."""
+    lens, H, nq, nkv, hd, I, bs, MB, eps, theta = [7, 13], 128, 4, 2, 64, 256, 4, 4, 1e-6, 1e6  # noqa: E741
+    B, Q, D = len(lens), nq * hd, nkv * hd
+    g = torch.Generator().manual_seed(30)
+    bf = lambda *s, k=1.0: (torch.randn(*s, generator=g) * k).to(torch.bfloat16)  # noqa: E731
+    gam = lambda n: (torch.rand(n, generator=g) + 0.5).to(torch.bfloat16)  # noqa: E731
+    w8 = lambda n, k: torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)  # noqa: E731
+    sc = lambda n, k: torch.rand(n, generator=g) * k + 1e-4  # noqa: E731
+    x, r = bf(B, H, k=2), bf(B, H, k=3)
+    g_in, g_q, g_k, g_post = gam(H), gam(hd), gam(hd), gam(H)
+    w_qkv, s_qkv, w_o, s_o = w8(Q + 2 * D, H), sc(Q + 2 * D, 0.01), w8(H, Q), sc(H, 0.01)
+    w_gu, s_gu, w_d, s_d = w8(2 * I, H), sc(2 * I, 0.02), w8(H, I), sc(H, 0.01)
+    kc, vc, tables, slots = paged_caches(B, nkv, hd, bs, MB, lens, g)
+    positions = torch.tensor(lens) - 1
+
+    q1, s1, h = L.rmsnorm_quant(x, r, g_in, eps)
+    qkv = L.linear_q(q1, s1, w_qkv, s_qkv)
+    qr, kr = L.qk_norm_rope(qkv[:, :Q].reshape(B, nq, hd), qkv[:, Q:Q + D].reshape(B, nkv, hd), positions, g_q, g_k,
+                            eps, theta)
+    rk, rv, attn = spec_attention(qr.reshape(B * nq, hd), kr.reshape(B, D), qkv[:, Q + D:], slots, tables, lens, kc,
+                                  vc, nkv, bs)
+    q2, s2, h2 = L.rmsnorm_quant(R.a8w8_linear(attn.reshape(B, Q), w_o, s_o), h, g_post, eps)
+    ref = L.linear_q(*L.silu_mul_quant(L.linear_q(q2, s2, w_gu, s_gu)), w_d, s_d).float()
+
+    # through the backend's host wrapper, with the caches in vLLM's [blocks, block_size, nkv, hd] layout
+    backend = PyptoBackend(SIM)
+    weights = {"input_layernorm": g_in, "q_norm": g_q, "k_norm": g_k, "post_attention_layernorm": g_post,
+               **{name: backend.prepack(w, s) for name, (w, s) in {
+                   "qkv_proj": (w_qkv, s_qkv), "o_proj": (w_o, s_o), "gate_up_proj": (w_gu, s_gu),
+                   "down_proj": (w_d, s_d)}.items()}}
+    k4, v4 = (c.view(-1, bs, nkv, hd) for c in (kc, vc))
+    with interpreter():
+        out, h_out = backend.decode_layer(x, r, positions, weights, k4, v4, slots[:, 0], tables, torch.tensor(lens),
+                                          eps, theta)
+    # fp32 norms here, fp64 in the reference: a bf16 step in q/k or one int8 step may move, nothing more
+    torch.testing.assert_close(kc.float(), rk.float(), rtol=2 ** -7, atol=1e-2)
+    assert torch.equal(vc, rv)
+    torch.testing.assert_close(h_out, h2, rtol=2 ** -7, atol=1e-2)
+    err = (out.float() - ref).abs().max().item()
+    print(f"\ndecode layer: max |pypto - reference| {err:.3g} of {ref.abs().max().item():.3g}")
+    assert out.abs().sum() > 0 and err <= 0.02 * ref.abs().max().item()
 
 
 @pytest.mark.heavy

@@ -63,6 +63,10 @@ class A8W8Backend(ABC):
     def silu_mul_quant(self, gate_up):
         return tuple(torch.ops.pypto.silu_mul_quant_ref(gate_up))
 
+    def silu_mul(self, gate_up):
+        """bf16(SiLU(gate) * up) for a bf16 (tensor-parallel) down-proj."""
+        return torch.ops.pypto.silu_mul(gate_up)
+
     def gate_up_silu_quant(self, q, scale, packed):
         w, ws = self.unpacked(packed)
         return tuple(torch.ops.pypto.gate_up_silu_quant_ref(q, scale, w, ws))
@@ -124,6 +128,9 @@ class CpuNativeBackend(A8W8Backend):
 
     def silu_mul_quant(self, gate_up):
         return tuple(torch.ops.pypto_cpu.silu_mul_quant(gate_up))
+
+    def silu_mul(self, gate_up):
+        return torch.ops.pypto_cpu.silu_mul(gate_up)
 
     def gate_up_silu_quant(self, q, scale, packed):
         return tuple(torch.ops.pypto_cpu.gate_up_silu_quant(q, scale, packed["weight_packed"], packed["weight_comp"],

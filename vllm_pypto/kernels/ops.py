@@ -114,6 +114,7 @@ def _register_native_fakes() -> None:
         lambda q, scale, packed, comp, weight_scale: _linear_q_fake(q, scale, packed, weight_scale))
     torch.library.register_fake("pypto_cpu::rmsnorm_quant")(
         lambda x, residual, gamma, eps, deferred: list(_rmsnorm_quant_fake(x, residual, gamma, eps, deferred)))
+    torch.library.register_fake("pypto_cpu::silu_mul")(_silu_mul_fake)
     torch.library.register_fake("pypto_cpu::silu_mul_quant")(lambda gate_up: list(_silu_mul_quant_fake(gate_up)))
     torch.library.register_fake("pypto_cpu::gate_up_silu_quant")(
         lambda q, scale, packed, comp, weight_scale: list(_gate_up_silu_quant_fake(q, scale, weight_scale)))

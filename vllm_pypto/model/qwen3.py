@@ -103,7 +103,7 @@ class PyptoQwen3DecoderLayer(Qwen3DecoderLayer):
         if not takes_int8(down):
             # Our SiLU numerics, so that a tensor-parallel down-proj (which quantizes this bf16
             # input with a scale from all ranks) computes exactly what TP=1 does.
-            return down(torch.ops.pypto.silu_mul(_linear_q(gate_up, q, scale)))[0], residual
+            return down(backend.silu_mul(_linear_q(gate_up, q, scale)))[0], residual
         if "fused_gate_up_silu" in self.flags and gate_up.bias is None:
             q, scale = backend.gate_up_silu_quant(q, scale, _packed(gate_up))
         else:

@@ -47,17 +47,25 @@ def scratch():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def run_on_cpu(kernel, *tensors):
-    """Call a kernel built with run_mode=SIM through the interpreter, with real torch tensors."""
+@contextlib.contextmanager
+def interpreter():
+    """Kernels built with run_mode=SIM and called inside compute real results into their torch
+    output tensors (pypto's pass-verify interpreter)."""
     import pypto
 
     hook().install()
     with scratch():
         pypto.set_verify_options(enable_pass_verify=True, pass_verify_pass_filter=[])
         try:
-            return kernel(*tensors)
+            yield
         finally:
             pypto.set_verify_options(enable_pass_verify=False)
+
+
+def run_on_cpu(kernel, *tensors):
+    """Call a kernel built with run_mode=SIM through the interpreter, with real torch tensors."""
+    with interpreter():
+        return kernel(*tensors)
 
 
 def cost_model(kernel, *tensors) -> dict:
