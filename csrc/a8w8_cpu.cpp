@@ -442,17 +442,30 @@ VNNI_DQ_TARGET inline __m256 silu_pd(__m256 g8) {
   return _mm512_cvtpd_ps(_mm512_div_pd(g, _mm512_add_pd(_mm512_set1_pd(1.0), e)));
 }
 
-// y[b, e) = bf16(SiLU(gate) * up), 16 lanes at a time; gate/up given as fp32 producers.
+// fp32 producers of 16 gate or up lanes (masked) for silu_mul_span.
+struct Bf16Lanes {  // a bf16 row
+  const uint16_t* p;
+  VNNI_TARGET __m512 operator()(int64_t k, __mmask16 m) const { return load_bf16(p + k, m); }
+};
+struct DequantLanes {  // int32 sums through the fp32 epilogue, (acc * ws[n]) * as
+  const int32_t* acc;
+  const float* ws;
+  float as;
+  VNNI_TARGET __m512 operator()(int64_t k, __mmask16 m) const {
+    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, acc + k)), _mm512_maskz_loadu_ps(m, ws + k));
+    return _mm512_mul_ps(v, _mm512_set1_ps(as));
+  }
+};
+
+// y[b, e) = bf16(SiLU(gate) * up), 16 lanes at a time.
 template <class G, class U>
 VNNI_DQ_TARGET void silu_mul_span(int64_t b, int64_t e, G gate, U up, uint16_t* y) {
   for (int64_t k = b; k < e; k += 16) {
-    const int64_t n = std::min<int64_t>(16, e - k);
-    alignas(64) float g[16] = {}, u[16] = {};
-    for (int64_t j = 0; j < n; ++j) g[j] = gate(k + j), u[j] = up(k + j);
-    const __m512 gv = _mm512_load_ps(g);
+    const __mmask16 m = e - k >= 16 ? 0xFFFF : (__mmask16)((1u << (e - k)) - 1);
+    const __m512 gv = gate(k, m);
     const __m512 s = _mm512_insertf32x8(_mm512_castps256_ps512(silu_pd(_mm512_castps512_ps256(gv))),
                                         silu_pd(_mm512_extractf32x8_ps(gv, 1)), 1);
-    _mm256_mask_storeu_epi16(y + k, (__mmask16)((1u << n) - 1), to_bf16(_mm512_mul_ps(s, _mm512_load_ps(u))));
+    _mm256_mask_storeu_epi16(y + k, m, to_bf16(_mm512_mul_ps(s, up(k, m))));
   }
 }
 
@@ -507,9 +520,9 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   auto yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   at::parallel_for(0, M * I, 512, [&](int64_t b, int64_t e) {
     for (int64_t r = b / I; r * I < e; ++r) {  // spans cut at row ends
-      const at::BFloat16* row = xp + r * 2 * I;
-      silu_mul_span(std::max(b, r * I) - r * I, std::min(e, (r + 1) * I) - r * I,
-                    [&](int64_t k) { return float(row[k]); }, [&](int64_t k) { return float(row[I + k]); }, yp + r * I);
+      const auto* row = reinterpret_cast<const uint16_t*>(xp + r * 2 * I);
+      silu_mul_span(std::max(b, r * I) - r * I, std::min(e, (r + 1) * I) - r * I, Bf16Lanes{row}, Bf16Lanes{row + I},
+                    yp + r * I);
     }
   });
   return y.reshape(out_shape);
@@ -526,9 +539,9 @@ std::vector<torch::Tensor> silu_mul_quant(torch::Tensor gu) {
   at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
     std::vector<uint16_t> y(I);
     for (int64_t r = b; r < e; ++r) {
-      const at::BFloat16* row = xp + r * 2 * I;
-      silu_quant_row(I, [&](int64_t k) { return float(row[k]); }, [&](int64_t k) { return float(row[I + k]); },
-                     y.data(), q.data_ptr<int8_t>() + r * I, scale.data_ptr<float>() + r);
+      const auto* row = reinterpret_cast<const uint16_t*>(xp + r * 2 * I);
+      silu_quant_row(I, Bf16Lanes{row}, Bf16Lanes{row + I}, y.data(), q.data_ptr<int8_t>() + r * I,
+                     scale.data_ptr<float>() + r);
     }
   });
   return {q, scale};
@@ -575,8 +588,7 @@ std::vector<torch::Tensor> gate_up_silu_quant(torch::Tensor q, torch::Tensor sca
     for (int64_t r = b; r < e; ++r) {
       const int32_t* row = ap + r * N;
       const float as = act.scale[r];
-      silu_quant_row(I, [&](int64_t k) { return static_cast<float>(row[k]) * ws[k] * as; },
-                     [&](int64_t k) { return static_cast<float>(row[I + k]) * ws[I + k] * as; }, y.data(),
+      silu_quant_row(I, DequantLanes{row, ws, as}, DequantLanes{row + I, ws + I, as}, y.data(),
                      qo.data_ptr<int8_t>() + r * I, so.data_ptr<float>() + r);
     }
   });
