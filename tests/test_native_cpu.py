@@ -70,7 +70,7 @@ def test_random_shapes_bit_identical(seed, path):
     assert _same(y, r), f"M={M} K={K} N={N}: max diff {(y.float() - r.float()).abs().max()}"
 
 
-@pytest.mark.parametrize("M", [15, 16, 17, 31, 32, 33, 64, 65, 97])
+@pytest.mark.parametrize("M", [3, 4, 5, 15, 16, 17, 31, 32, 33, 64, 65, 97])
 def test_row_block_edges(M, path):
     x, w, ws = _case(M, 200, 150, M, "special")
     be = CpuNativeBackend()

@@ -96,7 +96,7 @@ class ReferenceBackend(A8W8Backend):
 class CpuNativeBackend(A8W8Backend):
     """Our AVX512-VNNI / AMX-INT8 kernels (csrc/a8w8_cpu.cpp): weights prepacked once into
     64-channel tiles that both paths read, per-token quantization fused in front of the GEMM,
-    fp32 epilogue behind it. AMX takes M >= _C.amx_min_m() (16) where the CPU and kernel allow it."""
+    fp32 epilogue behind it. AMX takes M >= _C.amx_min_m() (4) where the CPU and kernel allow it."""
 
     name = "cpu"
 
