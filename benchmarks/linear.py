@@ -7,7 +7,7 @@ read bandwidth measured in the same run.
 Every method reads its weights from DRAM, not cache: each has its own set of weight copies
 totalling well above the L3 size, and consecutive calls rotate through them. Methods, all
 with bf16 activations in and bf16 out (per-token int8 quantization included where int8):
-  ours        vllm_pypto native CPU kernels (AVX512-VNNI; AMX-INT8 from M = 32 where available)
+  ours        vllm_pypto native CPU kernels (AVX512-VNNI; AMX-INT8 from M = 4 where available)
   ours_vnni   the same kernels with AMX switched off (shown where AMX is available)
   int_mm      torch._int_mm + fp32 rescale (our reference backend)
   vllm_sgl    vLLM-CPU's int8_scaled_mm_with_quant (its W8A8 path on AMX CPUs)

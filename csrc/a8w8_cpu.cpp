@@ -213,9 +213,13 @@ AMX_TARGET void amx_tiles(const uint8_t* act, int64_t Kp, int64_t M, const int8_
   for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
   _tile_loadconfig(&cfg);  // per thread: tile state is thread-local
   const int64_t tile_bytes = (Kp / 4) * 256;
-  for (int64_t t = tb; t < te; ++t)
-    for (int64_t r0 = 0; r0 < M; r0 += 16)
-      amx_block<I32>(act, Kp, wp + t * tile_bytes, comp, ws, ascale, y, ldy_bytes, r0, M, t * NT, N);
+  // Rows in chunks of about 1 MiB of activations, so that a chunk stays in L2 while every weight
+  // tile passes over it (a 2048-row prefill would otherwise stream A from L3 once per tile).
+  const int64_t Mc = std::max<int64_t>(16, (int64_t{1} << 20) / Kp / 16 * 16);
+  for (int64_t m0 = 0; m0 < M; m0 += Mc)
+    for (int64_t t = tb; t < te; ++t)
+      for (int64_t r0 = m0; r0 < std::min(M, m0 + Mc); r0 += 16)
+        amx_block<I32>(act, Kp, wp + t * tile_bytes, comp, ws, ascale, y, ldy_bytes, r0, M, t * NT, N);
   _tile_release();
 }
 

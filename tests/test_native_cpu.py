@@ -70,9 +70,11 @@ def test_random_shapes_bit_identical(seed, path):
     assert _same(y, r), f"M={M} K={K} N={N}: max diff {(y.float() - r.float()).abs().max()}"
 
 
-@pytest.mark.parametrize("M", [3, 4, 5, 15, 16, 17, 31, 32, 33, 64, 65, 97])
-def test_row_block_edges(M, path):
-    x, w, ws = _case(M, 200, 150, M, "special")
+@pytest.mark.parametrize("M,K", [(3, 200), (4, 200), (5, 200), (15, 200), (16, 200), (17, 200), (31, 200),
+                                 (32, 200), (33, 200), (64, 200), (65, 200), (97, 200),
+                                 (300, 4100)])  # the last: AMX takes rows in chunks of ~1 MiB (240 + 60 here)
+def test_row_block_edges(M, K, path):
+    x, w, ws = _case(M, K, 150, M, "special")
     be = CpuNativeBackend()
     assert _same(be.linear(x, be.prepack(w, ws)), ref.a8w8_linear(x, w, ws))
     amax = ref.row_amax(x).clamp_min(ref.AMAX_FLOOR)
