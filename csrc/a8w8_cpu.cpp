@@ -31,7 +31,7 @@
 #include <cstring>
 #include <vector>
 
-#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
 namespace {
 
@@ -146,7 +146,7 @@ VNNI_TARGET void tile_kernel(const uint8_t* act, int64_t Kp, const int8_t* wt, c
 }
 
 // ---- AMX-INT8 -------------------------------------------------------------------------------
-#define AMX_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define AMX_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
 std::atomic<int64_t> amx_min_rows{4};  // below this the VNNI path streams weights as fast (measured)
 
@@ -174,9 +174,9 @@ std::atomic<bool> amx_enabled{true};
 // e.g. M=256, 5120x5120 from DRAM 5.7 vs 7.4 ms; M=16 gate_up 34816x5120 8.7 ms).
 // act has rows padded to a multiple of 16 (u8 128 = q 0) so tiles never read past it.
 template <bool I32>
-AMX_TARGET void amx_block(const uint8_t* act, int64_t Kp, const int8_t* wt, const int32_t* comp,
-                            const float* wscale, const float* ascale, char* y, int64_t ldy_bytes, int64_t r0,
-                            int64_t M, int64_t n0, int64_t N) {
+AMX_TARGET void amx_block(const uint8_t* act, int64_t Kp, const int8_t* wt, const int32_t* comp, const float* wscale,
+                          const float* ascale, char* y, int64_t ldy_bytes, int64_t r0, int64_t M, int64_t n0,
+                          int64_t N) {
   alignas(64) int32_t c[16][64];
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   for (int64_t kb = 0; kb < Kp / KA; ++kb) {
@@ -376,6 +376,13 @@ at::Tensor rows2d(const torch::Tensor& x, const char* op) {
   return x.reshape({-1, x.size(-1)}).contiguous();
 }
 
+// vLLM's merged gate_up output (gate first) as bf16 rows of even width 2I.
+at::Tensor gate_up_rows(const torch::Tensor& gu, const char* op) {
+  auto x2 = rows2d(gu, op);
+  TORCH_CHECK(x2.size(1) % 2 == 0, op, ": gate_up width ", x2.size(1), " is odd (expected gate and up halves)");
+  return x2;
+}
+
 // residual add (bf16 out), fp64 mean square, y = bf16((h * rinv) * gamma) or, deferred,
 // bf16(h * gamma) with rinv folded into the row's scale; then per-token int8.
 VNNI_TARGET void rmsnorm_quant_row(const uint16_t* x, const uint16_t* res, const uint16_t* gamma, int64_t H,
@@ -409,13 +416,11 @@ VNNI_TARGET void rmsnorm_quant_row(const uint16_t* x, const uint16_t* res, const
   if (deferred) *scale = *scale * rinv;
 }
 
-#define VNNI_DQ_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")))
-
 // exp(x) for 8 fp64 lanes with |x| <= 700: Cody-Waite reduction x = n ln2 + r (ln2 split so
 // that n * ln2_hi is exact), |r| <= ln2/2, Taylor to r^13 (truncation < 0.1 ulp), times 2^n.
 // Within about 1 ulp of fp64, like the reference's own exp (the reference and this kernel can
 // then differ only where the exact SiLU lies within ~1e-16 of an fp32 rounding boundary).
-VNNI_DQ_TARGET inline __m512d exp_pd(__m512d x) {
+VNNI_TARGET inline __m512d exp_pd(__m512d x) {
   const __m512d n = _mm512_roundscale_pd(_mm512_mul_pd(x, _mm512_set1_pd(1.4426950408889634)),
                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512d r = _mm512_fnmadd_pd(n, _mm512_set1_pd(6.93147180369123816490e-01), x);
@@ -431,7 +436,7 @@ VNNI_DQ_TARGET inline __m512d exp_pd(__m512d x) {
 
 // SiLU in fp64 rounded to fp32 (the reference's order) for 8 lanes; lanes outside exp_pd's
 // range, NaN and inf take std::exp, so their overflow, -0 and NaN results are the reference's.
-VNNI_DQ_TARGET inline __m256 silu_pd(__m256 g8) {
+VNNI_TARGET inline __m256 silu_pd(__m256 g8) {
   const __m512d g = _mm512_cvtps_pd(g8), x = _mm512_sub_pd(_mm512_setzero_pd(), g);
   __m512d e = exp_pd(x);
   const __mmask8 out = _mm512_cmp_pd_mask(_mm512_abs_pd(x), _mm512_set1_pd(700.0), _CMP_NLE_UQ);  // or NaN
@@ -463,7 +468,7 @@ struct DequantLanes {  // int32 sums through the fp32 epilogue, (acc * ws[n]) * 
 
 // y[b, e) = bf16(SiLU(gate) * up), 16 lanes at a time.
 template <class G, class U>
-VNNI_DQ_TARGET void silu_mul_span(int64_t b, int64_t e, G gate, U up, uint16_t* y) {
+VNNI_TARGET void silu_mul_span(int64_t b, int64_t e, G gate, U up, uint16_t* y) {
   for (int64_t k = b; k < e; k += 16) {
     const __mmask16 m = e - k >= 16 ? 0xFFFF : (__mmask16)((1u << (e - k)) - 1);
     const __m512 gv = gate(k, m);
@@ -514,9 +519,8 @@ std::vector<torch::Tensor> rmsnorm_quant(torch::Tensor x, std::optional<torch::T
 
 // gate_up bf16 [..., 2I] -> bf16(SiLU(gate) * up) [..., I] (the bf16 down-proj's input).
 torch::Tensor silu_mul(torch::Tensor gu) {
-  auto x2 = rows2d(gu, "silu_mul");
+  auto x2 = gate_up_rows(gu, "silu_mul");
   const int64_t M = x2.size(0), I = x2.size(1) / 2;
-  TORCH_CHECK(x2.size(1) == 2 * I, "silu_mul: odd width");
   auto out_shape = gu.sizes().vec();
   out_shape.back() = I;
   auto y = torch::empty({M, I}, gu.options());
@@ -534,9 +538,8 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 
 // gate_up bf16 [M, 2I] (gate first, as vLLM's merged gate_up_proj) -> (q int8 [M,I], scale fp32 [M])
 std::vector<torch::Tensor> silu_mul_quant(torch::Tensor gu) {
-  auto x2 = rows2d(gu, "silu_mul_quant");
+  auto x2 = gate_up_rows(gu, "silu_mul_quant");
   const int64_t M = x2.size(0), I = x2.size(1) / 2;
-  TORCH_CHECK(x2.size(1) == 2 * I, "silu_mul_quant: odd width");
   auto q = torch::empty({M, I}, gu.options().dtype(torch::kInt8));
   auto scale = torch::empty({M}, gu.options().dtype(torch::kFloat32));
   const at::BFloat16* xp = x2.data_ptr<at::BFloat16>();
@@ -627,7 +630,11 @@ void set_amx(bool on) { amx_enabled.store(on); }
 int64_t amx_min_m() { return amx_min_rows.load(); }
 void set_amx_min_m(int64_t m) { amx_min_rows.store(std::max<int64_t>(1, m)); }
 
-bool cpu_has_vnni() { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"); }
+// Every ISA extension VNNI_TARGET compiles for (all CPUs with AVX512-VNNI have the others).
+bool cpu_has_vnni() {
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
 
 TORCH_LIBRARY(pypto_cpu, m) {
   m.def("prepack(Tensor w) -> Tensor[]");
@@ -652,7 +659,7 @@ TORCH_LIBRARY_IMPL(pypto_cpu, CPU, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("cpu_has_vnni", &cpu_has_vnni, "AVX512-VNNI (and BW) available on this CPU");
+  m.def("cpu_has_vnni", &cpu_has_vnni, "AVX512-VNNI (and F/BW/VL/DQ) available on this CPU");
   m.def("isa", &isa, "which int8 path large M takes: amx or vnni");
   m.def("set_amx", &set_amx, "allow (default) or forbid the AMX path, for tests and benchmarks");
   m.def("amx_min_m", &amx_min_m, "rows from which the AMX path is taken");

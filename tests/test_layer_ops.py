@@ -115,6 +115,8 @@ def test_native_silu_equals_reference_bit_for_bit():
         a, b = ref.silu_mul(gu), nat.silu_mul(gu)
         assert a.shape == b.shape == g.shape
         assert _same_bf16(a, b), (up, (a.float() - b.float()).abs().nan_to_num(0).max())
+    with pytest.raises(RuntimeError, match="silu_mul: gate_up width 7 is odd"):
+        nat.silu_mul(torch.zeros(2, 7, dtype=BF16))
 
 
 @native

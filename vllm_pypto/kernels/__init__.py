@@ -147,7 +147,7 @@ def native_cpu_status() -> str | None:
     except ImportError as e:
         return f"the native extension vllm_pypto._C is not built ({e})"
     if not _C.cpu_has_vnni():
-        return "this CPU has no AVX512-VNNI"
+        return "this CPU lacks AVX512-VNNI (or the F/BW/VL/DQ extensions the kernels are built for)"
     return None
 
 
