@@ -1,7 +1,7 @@
 """The configuration grammar every benchmark shares, so one name means one thing in
 tpot.py, serving.py, quality.py and accuracy.py:
 
-    method[:fmt][@backend][+noamx][+vllm-model][+<flag>...]
+    method[:fmt][@backend][+noamx][+vllm-model][+allcores][+<flag>...]
 
 - method: `bf16` (stock vLLM, no quantization), `ct` (vLLM-CPU's own compressed-tensors
   path; needs a W8A8 folder) or `pypto-a8w8` (ours);
@@ -9,7 +9,10 @@ tpot.py, serving.py, quality.py and accuracy.py:
   w8a8 for ct);
 - @backend: our kernel backend, VLLM_PYPTO_BACKEND (`reference`, `cpu`, `pypto`);
 - +noamx: the cpu backend on VNNI for every M; +vllm-model: vLLM's Qwen3 class with our
-  linears; +<flag>: a flag of vllm_pypto.flags (unknown names fail here, before any start).
+  linears; +<flag>: a flag of vllm_pypto.flags (unknown names fail here, before any start);
+- +allcores (any method): VLLM_CPU_NUM_OF_RESERVED_CPU=0, so vLLM-CPU's worker computes on every
+  CPU instead of leaving one per rank to its scheduler process (halves the compute threads on a
+  2-CPU machine; README, "CPU threads").
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from dataclasses import dataclass
 from vllm_pypto import flags
 
 METHODS = ("bf16", "ct", "pypto-a8w8")
-MODS = ("noamx", "vllm-model")
+MODS = ("noamx", "vllm-model", "allcores")
+ANY_METHOD_MODS = ("allcores",)
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,8 @@ class Config:
             env["VLLM_PYPTO_CPU_AMX"] = "0"
         if "vllm-model" in self.mods:
             env["VLLM_PYPTO_MODEL"] = "vllm"
+        if "allcores" in self.mods:
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         return env
 
     def serve_args(self) -> list[str]:
@@ -65,7 +71,7 @@ def parse(name: str) -> Config:
     if fmt not in ("bf16", "w8a8") or (method == "ct" and fmt != "w8a8"):
         raise ValueError(f"config {name!r}: format {fmt!r} is not one this method runs")
     chosen = tuple(m for m in mods if m not in MODS)
-    if (backend or mods) and method != "pypto-a8w8":
+    if (backend or [m for m in mods if m not in ANY_METHOD_MODS]) and method != "pypto-a8w8":
         raise ValueError(f"config {name!r}: @backend and +modifiers apply to pypto-a8w8 only")
     flags.parse(chosen)  # raises with the list of valid flags
     return Config(name, method, fmt, backend, chosen, tuple(m for m in mods if m in MODS))

@@ -1,8 +1,9 @@
-"""A8W8 linear kernels side by side on the Qwen3-14B linear shapes, with this machine's DRAM
+"""A8W8 linear kernels side by side on a Qwen3 shape's linears (default 14B), with this machine's DRAM
 read bandwidth measured in the same run.
 
     python benchmarks/linear.py                 # all shapes, M = 1 4 16 64 256
     python benchmarks/linear.py --shapes qkv --ms 1,16
+    python benchmarks/linear.py --model 0.6B --ms 1         # the small shapes served end to end
 
 Every method reads its weights from DRAM, not cache: each has its own set of weight copies
 totalling well above the L3 size, and consecutive calls rotate through them. Methods, all
@@ -33,7 +34,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from vllm_pypto.kernels import CpuNativeBackend, ReferenceBackend, native_cpu_status  # noqa: E402
 from vllm_pypto.kernels.reference import quantize_weight_per_channel  # noqa: E402
 
-SHAPES = {"qkv": (7168, 5120), "o": (5120, 5120), "gate_up": (34816, 5120), "down": (5120, 17408)}
+
+
+def linear_shapes(model: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of one decoder layer's four linears for a Qwen3 shape (14B: the issue's shapes)."""
+    from vllm_pypto.tools.shapes import SHAPES as QWEN3
+    c = QWEN3[model]
+    q, kv = c.q_heads * c.head_dim, c.kv_heads * c.head_dim
+    return {"qkv": (q + 2 * kv, c.hidden), "o": (c.hidden, q),
+            "gate_up": (2 * c.intermediate, c.hidden), "down": (c.hidden, c.intermediate)}
+
+
 ROTATE_BYTES = 1.5 * 2**30  # > 3x the 480 MiB L3 of this machine
 
 
@@ -109,7 +120,8 @@ def bench(fn, copies, x, min_time: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--model", default="14B", help="Qwen3 shape whose linears to run (0.6B..32B)")
+    ap.add_argument("--shapes", default="qkv,o,gate_up,down")
     ap.add_argument("--ms", default="1,4,16,64,256")
     ap.add_argument("--min-time", type=float, default=1.0, help="seconds per (method, shape, M)")
     ap.add_argument("--out", default="results")
@@ -122,8 +134,9 @@ def main() -> None:
           f"{torch.get_num_threads()} threads; int8 peak in cache (ours, M=256): {peak} GOPS", flush=True)
     ms = [int(m) for m in a.ms.split(",")]
     rows = []
+    shapes = linear_shapes(a.model)
     for shape in a.shapes.split(","):
-        N, K = SHAPES[shape]
+        N, K = shapes[shape]
         w, s = quantize_weight_per_channel(torch.randn(N, K))
         for name, (prep, fn, bpe) in methods().items():
             n_copies = max(2, int(ROTATE_BYTES // (N * K * bpe)) + 1)
@@ -136,12 +149,12 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del copies
-    report(rows, bw, peak, a.out)
+    report(rows, bw, peak, a.out, a.model)
 
 
-def report(rows: list[dict], bw: float, peak: float | None, out_dir: str) -> None:
+def report(rows: list[dict], bw: float, peak: float | None, out_dir: str, model: str = "14B") -> None:
     by = {(r["shape"], r["M"], r["method"]): r for r in rows}
-    lines = [f"DRAM read bandwidth measured in the same run: {bw:.1f} GB/s "
+    lines = [f"Qwen3-{model} linear shapes. DRAM read bandwidth measured in the same run: {bw:.1f} GB/s "
              f"({torch.get_num_threads()} threads, {platform.processor() or platform.machine()}); "
              f"int8 compute peak in cache (ours, M=256, 1 MiB weight): {peak or 0:.0f} GOPS", "",
              "| shape | M | method | ms | weight GB/s | % of DRAM BW | GOPS | ours vs best other int8 |",
@@ -156,8 +169,9 @@ def report(rows: list[dict], bw: float, peak: float | None, out_dir: str) -> Non
     print("\n" + text)
     os.makedirs(out_dir, exist_ok=True)
     stamp = f"{time.strftime('%Y-%m-%d')}-{platform.node() or 'machine'}-linear"
+    stamp += "" if model == "14B" else f"-{model}"
     with open(os.path.join(out_dir, stamp + ".json"), "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "dram_read_GBs": bw, "int8_peak_GOPS": peak,
+        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "model": model, "dram_read_GBs": bw, "int8_peak_GOPS": peak,
                    "rows": rows}, f, indent=1)
     with open(os.path.join(out_dir, stamp + ".md"), "w") as f:
         f.write(text + "\n")

@@ -46,8 +46,9 @@ def test_config_grammar():
     assert c.serve_args() == ["--quantization", "pypto-a8w8"]
     assert configs.parse("ct").fmt == "w8a8" and configs.parse("ct").serve_args() == []
     assert configs.parse("bf16").quantization is None
+    assert configs.parse("ct+allcores").env == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     for bad, msg in [("pypto-a8w8+no_such_flag", "no_such_flag"), ("fp8", "method"), ("ct:bf16", "format"),
-                     ("bf16+deferred_rms", "pypto-a8w8 only")]:
+                     ("bf16+deferred_rms", "pypto-a8w8 only"), ("ct+noamx", "pypto-a8w8 only")]:
         with pytest.raises(ValueError, match=msg):
             configs.parse(bad)
 

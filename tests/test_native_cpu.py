@@ -142,6 +142,23 @@ def test_auto_falls_back_to_reference_with_one_warning():
     assert forced.returncode != 0 and "VLLM_PYPTO_BACKEND=cpu but the native extension" in forced.stderr
 
 
+def test_thread_note_when_vllm_leaves_half_the_cpus():
+    from vllm_pypto.kernels import thread_note
+    assert "1 OpenMP thread(s) of this machine's 2 CPUs" in thread_note(1, 2, 1, None)
+    assert thread_note(2, 2, 1, None) is None  # every CPU in use
+    assert thread_note(1, 2, 2, None) is None  # TP=2, one CPU per rank
+    assert thread_note(31, 32, 1, None) is None  # one CPU kept for the scheduler of a big machine
+    assert thread_note(1, 2, 1, "0") is None  # the user chose the reservation
+    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+            "from vllm_pypto.kernels import get_backend; get_backend('reference')\n")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_NUM_OF_RESERVED_CPU"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**env, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"1 of {os.cpu_count()} CPUs" in r.stderr
+    assert (r.stderr.count("VLLM_CPU_NUM_OF_RESERVED_CPU=0") == 1) == (os.cpu_count() >= 2)
+
+
 @pytest.mark.parametrize("backend", [ReferenceBackend, CpuNativeBackend])
 @pytest.mark.parametrize("M, K, N, ranks", [(5, 512, 96, 2), (37, 300, 130, 2), (9, 1024, 64, 4)])
 def test_row_parallel_shards_reproduce_the_whole_layer(backend, M, K, N, ranks):

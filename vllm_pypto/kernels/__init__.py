@@ -181,6 +181,28 @@ def cpu_isa_flags() -> list[str]:
     return [f for f in ("avx512f", "avx512_vnni", "avx_vnni", "amx_tile", "amx_int8") if f in flags]
 
 
+def thread_note(threads: int, cpus: int, ranks: int, reserved_env: str | None) -> str | None:
+    """A warning when vLLM-CPU left the kernels half the machine or less.
+
+    vLLM-CPU binds each worker rank to the CPUs of its NUMA node minus one per rank, kept for
+    its scheduler process; on a small machine that halves the threads the GEMMs stream weights
+    with (measured on a 2-CPU VM: batch-1 TPOT 176 -> 86 ms with all CPUs)."""
+    if reserved_env is not None or threads * ranks * 2 > cpus:
+        return None
+    return (f"the A8W8 kernels run on {threads} OpenMP thread(s) of this machine's {cpus} CPUs "
+            f"({ranks} rank(s)): vLLM-CPU keeps CPUs back for its scheduler process. On a machine "
+            f"this small, VLLM_CPU_NUM_OF_RESERVED_CPU=0 lets the workers use every CPU "
+            f"(the scheduler then shares them; measure with benchmarks/serving.py +allcores)")
+
+
+def _ranks() -> int:
+    try:
+        from vllm.distributed import parallel_state as ps
+        return ps.get_tensor_model_parallel_world_size() * ps.get_pp_group().world_size
+    except Exception:  # noqa: BLE001 - outside an initialised vLLM worker: one rank
+        return 1
+
+
 @cache
 def get_backend(name: str | None = None) -> A8W8Backend:
     name = (name or os.environ.get("VLLM_PYPTO_BACKEND", "auto")).strip().lower()
@@ -199,6 +221,11 @@ def get_backend(name: str | None = None) -> A8W8Backend:
             raise RuntimeError(f"VLLM_PYPTO_BACKEND=cpu but {why_not}")
         else:
             logger.warning("pypto-a8w8: native CPU kernels unavailable (%s); using the reference backend", why_not)
-    logger.info("pypto-a8w8: linear layers run on backend=%s (%s); CPU ISA: %s",
-                backend.name, backend.isa(), " ".join(cpu_isa_flags()) or "unknown")
+    threads, cpus = torch.get_num_threads(), os.cpu_count() or 1
+    logger.info("pypto-a8w8: linear layers run on backend=%s (%s); CPU ISA: %s; %d of %d CPUs",
+                backend.name, backend.isa(), " ".join(cpu_isa_flags()) or "unknown", threads, cpus)
+    if backend.name != "pypto":
+        note = thread_note(threads, cpus, _ranks(), os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"))
+        if note:
+            logger.warning("pypto-a8w8: %s", note)
     return backend
