@@ -186,7 +186,7 @@ def thread_note(threads: int, cpus: int, ranks: int, reserved_env: str | None) -
 
     vLLM-CPU binds each worker rank to the CPUs of its NUMA node minus one per rank, kept for
     its scheduler process; on a small machine that halves the threads the GEMMs stream weights
-    with (measured on a 2-CPU VM: batch-1 TPOT 176 -> 86 ms with all CPUs)."""
+    with (a 2-CPU VM, 0.6B W8A8 served: batch-1 TPOT 154 -> 105 ms; README "CPU threads")."""
     if reserved_env is not None or threads * ranks * 2 > cpus:
         return None
     return (f"the A8W8 kernels run on {threads} OpenMP thread(s) of this machine's {cpus} CPUs "
