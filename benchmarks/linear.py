@@ -1,5 +1,5 @@
-"""A8W8 linear kernels side by side on a Qwen3 shape's linears (default 14B), with this machine's DRAM
-read bandwidth measured in the same run.
+"""A8W8 linear kernels side by side on a Qwen3 shape's linears (default 14B), with this
+machine's DRAM read bandwidth measured in the same run.
 
     python benchmarks/linear.py                 # all shapes, M = 1 4 16 64 256
     python benchmarks/linear.py --shapes qkv --ms 1,16
@@ -33,17 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vllm_pypto.kernels import CpuNativeBackend, ReferenceBackend, native_cpu_status  # noqa: E402
 from vllm_pypto.kernels.reference import quantize_weight_per_channel  # noqa: E402
-
-
-
-def linear_shapes(model: str) -> dict[str, tuple[int, int]]:
-    """(N, K) of one decoder layer's four linears for a Qwen3 shape (14B: the issue's shapes)."""
-    from vllm_pypto.tools.shapes import SHAPES as QWEN3
-    c = QWEN3[model]
-    q, kv = c.q_heads * c.head_dim, c.kv_heads * c.head_dim
-    return {"qkv": (q + 2 * kv, c.hidden), "o": (c.hidden, q),
-            "gate_up": (2 * c.intermediate, c.hidden), "down": (c.hidden, c.intermediate)}
-
+from vllm_pypto.tools.shapes import SHAPES as QWEN3  # noqa: E402
 
 ROTATE_BYTES = 1.5 * 2**30  # > 3x the 480 MiB L3 of this machine
 
@@ -134,7 +124,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads; int8 peak in cache (ours, M=256): {peak} GOPS", flush=True)
     ms = [int(m) for m in a.ms.split(",")]
     rows = []
-    shapes = linear_shapes(a.model)
+    shapes = QWEN3[a.model].linears()  # 14B: the issue's shapes
     for shape in a.shapes.split(","):
         N, K = shapes[shape]
         w, s = quantize_weight_per_channel(torch.randn(N, K))
@@ -171,8 +161,8 @@ def report(rows: list[dict], bw: float, peak: float | None, out_dir: str, model:
     stamp = f"{time.strftime('%Y-%m-%d')}-{platform.node() or 'machine'}-linear"
     stamp += "" if model == "14B" else f"-{model}"
     with open(os.path.join(out_dir, stamp + ".json"), "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "model": model, "dram_read_GBs": bw, "int8_peak_GOPS": peak,
-                   "rows": rows}, f, indent=1)
+        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "model": model, "dram_read_GBs": bw,
+                   "int8_peak_GOPS": peak, "rows": rows}, f, indent=1)
     with open(os.path.join(out_dir, stamp + ".md"), "w") as f:
         f.write(text + "\n")
 

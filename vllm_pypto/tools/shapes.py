@@ -18,10 +18,14 @@ class Qwen3Shape:
     head_dim: int = 128
     max_positions: int = 40960
 
-    def linear_params(self) -> int:
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """(N, K) of one decoder layer's linears as vLLM merges them."""
         q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
-        per_layer = self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
-        return self.layers * per_layer
+        return {"qkv": (q + 2 * kv, self.hidden), "o": (self.hidden, q),
+                "gate_up": (2 * self.intermediate, self.hidden), "down": (self.hidden, self.intermediate)}
+
+    def linear_params(self) -> int:
+        return self.layers * sum(n * k for n, k in self.linears().values())
 
     def config_json(self) -> dict:
         return {
