@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <vector>
 
@@ -213,9 +214,11 @@ AMX_TARGET void amx_tiles(const uint8_t* act, int64_t Kp, int64_t M, const int8_
   for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
   _tile_loadconfig(&cfg);  // per thread: tile state is thread-local
   const int64_t tile_bytes = (Kp / 4) * 256;
-  // Rows in chunks of about 1 MiB of activations, so that a chunk stays in L2 while every weight
-  // tile passes over it (a 2048-row prefill would otherwise stream A from L3 once per tile).
-  const int64_t Mc = std::max<int64_t>(16, (int64_t{1} << 20) / Kp / 16 * 16);
+  // Rows in chunks of about 8 MiB of activations: every chunk streams the whole weight from DRAM
+  // once more, while a chunk re-read per tile comes from L3. Chunks sized for L2 (1 MiB) cost
+  // more in weight passes than they saved (2026-11-30, 14B down 5120x17408 from DRAM: M=64
+  // 10.4 ms -> 8.0-8.1 ms with 4-6 MiB, M=256 29.2 -> 16.6 ms with 8 MiB; 12 MiB gained no more).
+  const int64_t Mc = std::max<int64_t>(16, (int64_t{8} << 20) / Kp / 16 * 16);
   for (int64_t m0 = 0; m0 < M; m0 += Mc)
     for (int64_t t = tb; t < te; ++t)
       for (int64_t r0 = m0; r0 < std::min(M, m0 + Mc); r0 += 16)
@@ -624,6 +627,51 @@ int64_t read_probe(torch::Tensor buf) {
   return sum.load();
 }
 
+// Compute-peak probe, the other limit the benchmarks compare against: int8 multiply-adds from
+// registers only (4 independent tdpbusd tiles, or 8 independent vpdpbusd accumulators), on
+// every thread at once, for `iters` rounds each. Returns int8 ops (2 per multiply-add) per
+// second, summed over threads.
+namespace {
+AMX_TARGET int64_t amx_peak_loop(int64_t iters) {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+  _tile_loadconfig(&cfg);
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+  for (int64_t i = 0; i < iters; ++i) {
+    _tile_dpbusd(0, 4, 6); _tile_dpbusd(1, 4, 7); _tile_dpbusd(2, 5, 6); _tile_dpbusd(3, 5, 7);
+  }
+  alignas(64) int32_t c[16][16];
+  _tile_stored(0, c, 64);  // keeps the loop
+  _tile_release();
+  return iters * 4 * 16 * 16 * 64 * 2 + c[0][0];
+}
+VNNI_TARGET int64_t vnni_peak_loop(int64_t iters) {
+  __m512i acc[8], a = _mm512_set1_epi8(1), b = _mm512_set1_epi8(1);
+  for (auto& v : acc) v = _mm512_setzero_si512();
+  for (int64_t i = 0; i < iters * 16; ++i)
+    for (auto& v : acc) v = _mm512_dpbusd_epi32(v, a, b);
+  int64_t keep = 0;
+  for (auto& v : acc) keep += _mm512_reduce_add_epi32(v) == -1;
+  return iters * 16 * 8 * 64 * 2 + keep;
+}
+}  // namespace
+
+bool cpu_has_vnni();
+
+double int8_peak_gops(int64_t iters) {
+  const bool amx = amx_enabled.load() && amx_permitted();
+  TORCH_CHECK(amx || cpu_has_vnni(), "int8_peak_gops: this CPU has neither AMX-INT8 nor AVX512-VNNI");
+  const int n = at::get_num_threads();
+  std::atomic<int64_t> ops{0};
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) ops += amx ? amx_peak_loop(iters) : vnni_peak_loop(iters);
+  });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return ops.load() / s / 1e9;
+}
+
 // "amx" where tdpbusd runs for M >= amx_min_rows, else "vnni" (also after set_amx(false)).
 std::string isa() { return amx_enabled.load() && amx_permitted() ? "amx" : "vnni"; }
 void set_amx(bool on) { amx_enabled.store(on); }
@@ -664,5 +712,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_amx", &set_amx, "allow (default) or forbid the AMX path, for tests and benchmarks");
   m.def("amx_min_m", &amx_min_m, "rows from which the AMX path is taken");
   m.def("set_amx_min_m", &set_amx_min_m, "change that threshold (benchmarks)");
+  m.def("int8_peak_gops", &int8_peak_gops, "int8 multiply-add peak from registers, all threads (AMX, else VNNI)");
   m.def("read_probe", &read_probe, "read a buffer once with 64-byte loads (bandwidth probe)");
 }

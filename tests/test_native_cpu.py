@@ -72,7 +72,7 @@ def test_random_shapes_bit_identical(seed, path):
 
 @pytest.mark.parametrize("M,K", [(3, 200), (4, 200), (5, 200), (15, 200), (16, 200), (17, 200), (31, 200),
                                  (32, 200), (33, 200), (64, 200), (65, 200), (97, 200),
-                                 (300, 4100)])  # the last: AMX takes rows in chunks of ~1 MiB (240 + 60 here)
+                                 (1070, 8200)])  # the last: AMX takes rows in chunks of ~8 MiB (1008 + 62 here)
 def test_row_block_edges(M, K, path):
     x, w, ws = _case(M, K, 150, M, "special")
     be = CpuNativeBackend()
@@ -187,3 +187,25 @@ def test_amx_can_be_switched_off_by_environment():
         on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             env={k: v for k, v in os.environ.items() if k != "VLLM_PYPTO_CPU_AMX"})
         assert "ISA amx True" in on.stdout, on.stderr[-2000:]
+
+
+def test_int8_peak_probe_and_the_linear_benchmark_limit():
+    """The compute limit benchmarks/linear.py divides by: positive, and on an AMX CPU the tile
+    unit's peak is far above the VNNI one (16x16x64 multiply-adds per tdpbusd against 16x4 per
+    vpdpbusd), which is what makes large-M targets compute questions rather than bandwidth ones."""
+    from vllm_pypto import _C
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from linear import limit_ms
+
+    _C.set_amx(False)
+    try:
+        vnni = _C.int8_peak_gops(20000)
+    finally:
+        _C.set_amx(True)
+    assert vnni > 0
+    if "amx_int8" in cpu_isa_flags():
+        assert _C.int8_peak_gops(20000) > 3 * vnni
+    # 5120x5120 int8 at 20 GB/s, 10 TOPS: one row waits on memory, 2048 rows on compute
+    row = {"N": 5120, "K": 5120}
+    assert limit_ms({**row, "M": 1}, 20.0, 10000.0) == pytest.approx(1e3 * 5120 * 5120 / 20e9)
+    assert limit_ms({**row, "M": 2048}, 20.0, 10000.0) == pytest.approx(1e3 * 2 * 2048 * 5120 * 5120 / 10e12)
