@@ -168,6 +168,15 @@ bool amx_permitted() {
   return ok;
 }
 std::atomic<bool> amx_enabled{true};
+bool amx_on() { return amx_enabled.load() && amx_permitted(); }
+
+// Every tile as 16 rows of 64 bytes: int8 A and B tiles, int32 16x16 C tiles. Tile state is
+// per thread, so each thread loads it before its first tile instruction.
+AMX_TARGET void load_tile_config() {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+  _tile_loadconfig(&cfg);
+}
 
 // One 64-channel weight tile for rows [r0, r0 + 16): one A tile against the whole tile, 4 C
 // tiles and 3 B tiles in rotation, so the weights stream in order, once per 16 rows. Measured
@@ -210,9 +219,7 @@ template <bool I32>
 AMX_TARGET void amx_tiles(const uint8_t* act, int64_t Kp, int64_t M, const int8_t* wp, const int32_t* comp,
                           const float* ws, const float* ascale, char* y, int64_t ldy_bytes, int64_t N, int64_t tb,
                           int64_t te) {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-  _tile_loadconfig(&cfg);  // per thread: tile state is thread-local
+  load_tile_config();
   const int64_t tile_bytes = (Kp / 4) * 256;
   // Rows in chunks of about 8 MiB of activations: every chunk streams the whole weight from DRAM
   // once more, while a chunk re-read per tile comes from L3. Chunks sized for L2 (1 MiB) cost
@@ -263,7 +270,7 @@ struct Act {
   int64_t M, Kp;
   bool amx;
   Act(int64_t M_, int64_t Kp_) : M(M_), Kp(Kp_) {
-    amx = M >= amx_min_rows.load() && amx_enabled.load() && amx_permitted();
+    amx = M >= amx_min_rows.load() && amx_on();
     a.assign((amx ? round_up(M, 16) : M) * Kp, 128);  // AMX reads whole 16-row tiles
     scale.resize(M);
   }
@@ -627,15 +634,25 @@ int64_t read_probe(torch::Tensor buf) {
   return sum.load();
 }
 
+// "amx" where tdpbusd runs for M >= amx_min_rows, else "vnni" (also after set_amx(false)).
+std::string isa() { return amx_on() ? "amx" : "vnni"; }
+void set_amx(bool on) { amx_enabled.store(on); }
+int64_t amx_min_m() { return amx_min_rows.load(); }
+void set_amx_min_m(int64_t m) { amx_min_rows.store(std::max<int64_t>(1, m)); }
+
+// Every ISA extension VNNI_TARGET compiles for (all CPUs with AVX512-VNNI have the others).
+bool cpu_has_vnni() {
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
 // Compute-peak probe, the other limit the benchmarks compare against: int8 multiply-adds from
 // registers only (4 independent tdpbusd tiles, or 8 independent vpdpbusd accumulators), on
 // every thread at once, for `iters` rounds each. Returns int8 ops (2 per multiply-add) per
 // second, summed over threads.
 namespace {
 AMX_TARGET int64_t amx_peak_loop(int64_t iters) {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-  _tile_loadconfig(&cfg);
+  load_tile_config();
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
   for (int64_t i = 0; i < iters; ++i) {
@@ -657,10 +674,8 @@ VNNI_TARGET int64_t vnni_peak_loop(int64_t iters) {
 }
 }  // namespace
 
-bool cpu_has_vnni();
-
 double int8_peak_gops(int64_t iters) {
-  const bool amx = amx_enabled.load() && amx_permitted();
+  const bool amx = amx_on();
   TORCH_CHECK(amx || cpu_has_vnni(), "int8_peak_gops: this CPU has neither AMX-INT8 nor AVX512-VNNI");
   const int n = at::get_num_threads();
   std::atomic<int64_t> ops{0};
@@ -670,18 +685,6 @@ double int8_peak_gops(int64_t iters) {
   });
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return ops.load() / s / 1e9;
-}
-
-// "amx" where tdpbusd runs for M >= amx_min_rows, else "vnni" (also after set_amx(false)).
-std::string isa() { return amx_enabled.load() && amx_permitted() ? "amx" : "vnni"; }
-void set_amx(bool on) { amx_enabled.store(on); }
-int64_t amx_min_m() { return amx_min_rows.load(); }
-void set_amx_min_m(int64_t m) { amx_min_rows.store(std::max<int64_t>(1, m)); }
-
-// Every ISA extension VNNI_TARGET compiles for (all CPUs with AVX512-VNNI have the others).
-bool cpu_has_vnni() {
-  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
 TORCH_LIBRARY(pypto_cpu, m) {

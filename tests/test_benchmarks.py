@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import configs  # noqa: E402
 import quality  # noqa: E402
 from accuracy import prediction  # noqa: E402
+from linear import limit_ms  # noqa: E402
 from vllm_pypto import flags  # noqa: E402
 
 ENV = {"VLLM_PYPTO_ALLOW_TEST_FLAGS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -105,6 +106,14 @@ def test_prediction_reads_lm_eval_samples():
     mc = {"filtered_resps": [["-4.0", "False"], ["-1.5", "True"], ["-9", "False"]]}
     gen = {"filtered_resps": ["[invalid]"], "resps": [[" forty two"]]}
     assert prediction(mc) == 1 and prediction(gen) == " forty two"
+
+
+def test_linear_limit_is_the_slower_of_memory_and_compute():
+    # 5120x5120 int8 at 20 GB/s, 10 TOPS: one row waits on memory, 2048 rows on compute
+    row = {"N": 5120, "K": 5120}
+    assert limit_ms({**row, "M": 1}, 20.0, 10000.0) == pytest.approx(1e3 * 5120 * 5120 / 20e9)
+    assert limit_ms({**row, "M": 2048}, 20.0, 10000.0) == pytest.approx(1e3 * 2 * 2048 * 5120 * 5120 / 10e12)
+    assert limit_ms({**row, "M": 2048}, 20.0, None) == pytest.approx(1e3 * 5120 * 5120 / 20e9)  # no peak measured
 
 
 # ---- the scripts end to end on the tiny checkpoint -----------------------------------------

@@ -189,13 +189,11 @@ def test_amx_can_be_switched_off_by_environment():
         assert "ISA amx True" in on.stdout, on.stderr[-2000:]
 
 
-def test_int8_peak_probe_and_the_linear_benchmark_limit():
+def test_int8_peak_probe():
     """The compute limit benchmarks/linear.py divides by: positive, and on an AMX CPU the tile
     unit's peak is far above the VNNI one (16x16x64 multiply-adds per tdpbusd against 16x4 per
     vpdpbusd), which is what makes large-M targets compute questions rather than bandwidth ones."""
     from vllm_pypto import _C
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-    from linear import limit_ms
 
     _C.set_amx(False)
     try:
@@ -205,7 +203,3 @@ def test_int8_peak_probe_and_the_linear_benchmark_limit():
     assert vnni > 0
     if "amx_int8" in cpu_isa_flags():
         assert _C.int8_peak_gops(20000) > 3 * vnni
-    # 5120x5120 int8 at 20 GB/s, 10 TOPS: one row waits on memory, 2048 rows on compute
-    row = {"N": 5120, "K": 5120}
-    assert limit_ms({**row, "M": 1}, 20.0, 10000.0) == pytest.approx(1e3 * 5120 * 5120 / 20e9)
-    assert limit_ms({**row, "M": 2048}, 20.0, 10000.0) == pytest.approx(1e3 * 2 * 2048 * 5120 * 5120 / 10e12)
