@@ -31,7 +31,8 @@ from vllm_pypto.tools.server import VllmServer
 pytestmark = pytest.mark.slow
 
 MODEL = "qwen3-tiny"
-LEN = 512
+# long enough that 8 requests of LEN - 20 tokens stay running for seconds even on a fast CI host
+LEN = 2048
 COMMON = ("--served-model-name", MODEL, "--max-model-len", str(LEN), "--max-num-seqs", "8")
 
 
@@ -137,6 +138,15 @@ def open_request(server, body: dict) -> socket.socket:
     return sock
 
 
+def first_bytes(sock: socket.socket, n: int = 200) -> bytes:
+    """What the server has sent on a socket so far (b"" if nothing within 0.5 s)."""
+    sock.settimeout(0.5)
+    try:
+        return sock.recv(n)
+    except OSError:
+        return b""
+
+
 def test_disconnected_clients_are_aborted(srv):
     base = idle(srv)
     assert base["vllm:num_requests_running"] == 0 and base["vllm:num_requests_waiting"] == 0
@@ -144,10 +154,21 @@ def test_disconnected_clients_are_aborted(srv):
     body = {"model": MODEL, "prompt": "今天天气很好，我们去", "max_tokens": LEN - 20, "temperature": 0,
             "ignore_eos": True}
     # 12 requests for 8 slots: streaming and not, running and queued
+    t0, seen = time.time(), []
+
+    def all_in():
+        m = idle(srv)
+        state = (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"])
+        if not seen or seen[-1][1] != state:
+            seen.append((round(time.time() - t0, 2), state))
+        return m if state == (8, 4) else None
+
     socks = [open_request(srv, {**body, "stream": i % 2 == 0}) for i in range(12)]
-    busy = wait_for(lambda: (lambda m: m if (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"])
-                             == (8, 4) else None)(idle(srv)), 30)
-    assert busy and busy["vllm:kv_cache_usage_perc"] > base["vllm:kv_cache_usage_perc"], idle(srv)
+    busy = wait_for(all_in, 60, every=0.1)
+    if not busy:  # CI once saw only idle here: say what the server answered instead
+        pytest.fail(f"never 8 running + 4 queued; (s, (running, waiting)) seen: {seen}; "
+                    f"answers: {[first_bytes(s) for s in socks]}\n{srv.log_tail(40)}")
+    assert busy["vllm:kv_cache_usage_perc"] > base["vllm:kv_cache_usage_perc"], busy
     for sock in socks:
         sock.close()
     after = wait_for(lambda: (lambda m: m if m == base else None)(idle(srv)), 60)
