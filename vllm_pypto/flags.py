@@ -31,15 +31,17 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
     Flag("fused_qk_norm_rope",
          "Q/K per-head RMSNorm and RoPE as one op in fp32 (one bf16 rounding, the spec's order); the Q heads "
          "of a GQA group rotate as one tile with cos/sin replicated per head",
-         "experimental", "0.6B vllm serve batch-1 (benchmarks/serving.py): 86.0 vs 84.7 ms default; in-process "
-         "+10-25% alone, none with the other two flags; host noise ~10%"),
+         "experimental", "0.6B, every CPU, two interleaved rounds (2026-11-30 20:09-20:22, `tpot.py`, "
+         "`results/2026-11-30-vm-tpot-0.6B-flags-allcores.json`): 48.6 and 47.7 vs 47.5 and 47.3 ms default "
+         "(+1-3%); earlier (05:24, one worker thread) 86.0 vs 84.7 ms; in-process +10-25% alone"),
     Flag("deferred_rms",
          "Quantize bf16(x*gamma) and fold 1/rms into the activation scale after the GEMM (upstream decode trick)",
-         "experimental", "0.6B vllm serve batch-1: 87.6 vs 84.7 ms default (+3%); in-process none measurable"),
+         "experimental", "same runs: 46.7 and 47.2 ms (-2% to 0%); earlier 87.6 vs 84.7 ms (+3%); in-process "
+         "none measurable"),
     Flag("fused_gate_up_silu",
          "SiLU(gate)*up and the down-proj's quantization in the gate_up GEMM's fp32 epilogue (no bf16 gate/up)",
-         "experimental", "0.6B vllm serve batch-1: 87.4 vs 84.7 ms default (+3%); all three flags together "
-         "84.3 ms; in-process within noise"),
+         "experimental", "same runs: 48.8 and 46.6 ms (+3% / -2%); all three flags together 49.7 and 49.2 ms "
+         "(+4-5% in both rounds); earlier +3%, in-process within noise"),
     Flag("bf16_down_proj",
          "Run mlp.down_proj in bf16 (int8 checkpoints are dequantized at load), as the upstream did",
          "rejected", "0.6B vllm serve batch-1: +21% (102.1 vs 84.7 ms); in-process +40%; twice the down-proj "
