@@ -33,7 +33,7 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
          "of a GQA group rotate as one tile with cos/sin replicated per head",
          "experimental", "0.6B, every CPU, two interleaved rounds (2026-11-30 20:09-20:22, `tpot.py`, "
          "`results/2026-11-30-vm-tpot-0.6B-flags-allcores.json`): 48.6 and 47.7 vs 47.5 and 47.3 ms default "
-         "(+1-3%); earlier (05:24, one worker thread) 86.0 vs 84.7 ms; in-process +10-25% alone"),
+         "(+1-2%); earlier (05:24, one worker thread) 86.0 vs 84.7 ms; in-process +10-25% alone"),
     Flag("deferred_rms",
          "Quantize bf16(x*gamma) and fold 1/rms into the activation scale after the GEMM (upstream decode trick)",
          "experimental", "same runs: 46.7 and 47.2 ms (-2% to 0%); earlier 87.6 vs 84.7 ms (+3%); in-process "
