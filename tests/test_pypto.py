@@ -24,6 +24,7 @@ SIM = pypto.RunMode.SIM
 def test_hook_replaces_exactly_the_method_it_was_written_for():
     h = hook()
     assert h.original_sha256() == h.ORIGINAL_SHA256, "pypto changed the private method patches/ replaces"
+    assert h.calculator_sha256() == h.CALCULATOR_SHA256, "pypto changed the calculator build patches/ caches"
     h.install()
     h.install()  # idempotent
     from pypto.frontend.parser import entry
@@ -114,8 +115,8 @@ def test_qk_norm_rope_kernel_equals_reference():
 
 
 def paged_caches(B, nkv, hd, bs, MB, lens, g):
-    """Random paged K/V caches, a scrambled block table per sequence (padded with block 0, as
-    vLLM pads) and each new token's slot at position len-1."""
+    """Random paged K/V caches as slot rows [blocks * bs, nkv * hd], a scrambled block table per
+    sequence (padded with block 0, as vLLM pads) and each new token's slot at position len-1."""
     nb = B * MB + 1
     perm = torch.randperm(nb - 1, generator=g)[: B * MB].view(B, MB) + 1
     tables = torch.zeros(B, MB, dtype=torch.int32)
@@ -124,6 +125,31 @@ def paged_caches(B, nkv, hd, bs, MB, lens, g):
     kc, vc = (torch.randn(nb * bs, nkv * hd, generator=g).to(torch.bfloat16) for _ in range(2))
     slots = torch.tensor([[int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs] for b, n in enumerate(lens)])
     return kc, vc, tables, slots
+
+
+def platform_cache(layout, kc, vc, nkv, hd, bs):
+    """The slot-row caches in a platform's own tensors: vLLM-Ascend's (k, v) pair, or vLLM-CPU's
+    one tensor written by vLLM-CPU's own cache op for the ISA its attention takes here.
+    Returns (kv_cache, isa, read) where read(kv_cache) gives the slot rows back."""
+    nb = kc.shape[0] // bs
+    if layout == "paired":
+        pair = (kc.view(nb, bs, nkv, hd), vc.view(nb, bs, nkv, hd))
+        return pair, None, lambda c: (c[0].reshape(-1, nkv * hd), c[1].reshape(-1, nkv * hd))
+    from test_paging import HAS_AMX, vllm_cpu_write
+    from vllm_pypto.kernels.ascend import paging as P
+
+    isa = "amx" if HAS_AMX else "vec"
+    slots = torch.arange(nb * bs)
+    kv, _, _ = vllm_cpu_write(isa, nb, nkv, bs, hd, slots, torch.Generator().manual_seed(0))
+    view = P.cache_view(kv, nkv, hd, isa)
+    off = view.offsets(slots // bs, slots % bs)  # every slot: overwrite with the rows above
+    view.k_rows[off[:, :, 0].reshape(-1), 0] = kc.view(-1, nkv, hd).reshape(-1)
+    view.k_rows[off[:, :, 1].reshape(-1), 0] = vc.view(-1, nkv, hd).reshape(-1)
+
+    def read(c):
+        flat = P.cache_view(c, nkv, hd, isa).k_rows[:, 0]
+        return flat[off[:, :, 0]].reshape(-1, nkv * hd), flat[off[:, :, 1]].reshape(-1, nkv * hd)
+    return kv, isa, read
 
 
 def spec_attention(q, kn, vn, slots, tables, lens, kc, vc, nkv, bs):
@@ -144,32 +170,47 @@ def spec_attention(q, kn, vn, slots, tables, lens, kc, vc, nkv, bs):
     return rk, rv, out.to(torch.bfloat16)
 
 
-def _paging_args(tables, lens, MB, bs):
-    return tables, torch.tensor(lens, dtype=torch.int32)[:, None], torch.arange(MB * bs, dtype=torch.int32)[None]
-
-
+@pytest.mark.parametrize("layout", ["paired", "flat"])
 @pytest.mark.parametrize("lens", [[16], [5, 16, 1]])  # one full table; ragged lengths and batch
-def test_paged_decode_attention_kernel_equals_spec(lens):
-    B, nkv, group, hd, bs, MB = len(lens), 2, 2, 64, 4, 4
+def test_paged_decode_attention_kernel_equals_spec(layout, lens):
+    """On vLLM-Ascend's cache pair and on vLLM-CPU's own cache (its ISA's packing), through the
+    host wrapper's indices: the new rows land in their slots and attention matches the spec."""
+    from vllm_pypto.kernels.ascend import paging as P
+
+    B, nkv, group, hd, bs, MB = len(lens), 2, 2, 64, 32, 2
     g = torch.Generator().manual_seed(20 + B)
     kc, vc, tables, slots = paged_caches(B, nkv, hd, bs, MB, lens, g)
     q, kn, vn = (torch.randn(*s, generator=g).to(torch.bfloat16) for s in ((B * nkv * group, hd), (B, nkv * hd),
                                                                            (B, nkv * hd)))
     rk, rv, ref = spec_attention(q, kn, vn, slots, tables, lens, kc, vc, nkv, bs)
+    kv, isa, read = platform_cache(layout, kc, vc, nkv, hd, bs)
+    view = P.cache_view(kv, nkv, hd, isa)
+    rows, pages, gpos = P.kernel_indices(view, slots[:, 0], tables)
+    cache = K.PagedCache(view.kind, view.k_rows.shape[0], bs, nkv, hd)
     out = torch.zeros(B * nkv * group, hd, dtype=torch.bfloat16)
-    run_on_cpu(K.paged_decode_attention(B, nkv, group, hd, kc.shape[0], bs, MB, SIM), q, kn, vn, slots,
-               *_paging_args(tables, lens, MB, bs), kc, vc, out)
-    assert torch.equal(kc, rk) and torch.equal(vc, rv), "the new K/V rows were not written to their slots"
+    run_on_cpu(K.paged_decode_attention(B, group, cache, MB, SIM), q, kn, vn, rows, pages, gpos,
+               torch.tensor(lens, dtype=torch.int32)[:, None], torch.arange(MB * bs, dtype=torch.int32)[None],
+               view.k_rows, view.v_rows, out)
+    k_now, v_now = read(kv)
+    assert torch.equal(k_now, rk) and torch.equal(v_now, rv), "the new K/V rows were not written to their slots"
     assert out.abs().sum() > 0
-    print(f"\npaged attention: max |pypto - spec| {(out.float() - ref.float()).abs().max().item():.3g}")
+    print(f"\npaged attention ({layout}): max |pypto - spec| {(out.float() - ref.float()).abs().max().item():.3g}")
     torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=2e-3)
 
 
-def test_decode_layer_kernel_equals_reference():
+@pytest.mark.parametrize("layout,qk_mode", [("paired", "fused"), ("flat", "vllm")])
+def test_decode_layer_kernel_equals_reference(layout, qk_mode):
     """The whole decoder layer as one kernel, called through PyptoBackend.decode_layer, against
     the reference chain the model class runs (layer_ref ops + the spec attention above), ragged
-    lengths over scrambled block tables."""
-    lens, H, nq, nkv, hd, I, bs, MB, eps, theta = [7, 13], 128, 4, 2, 64, 256, 4, 4, 1e-6, 1e6  # noqa: E741
+    lengths over scrambled block tables, batch 2 padded to 2 and 3 padded to 4. qk_mode "vllm" is
+    vLLM's own q/k RMSNorm and RoPE (forward_native, bf16 table), "fused" the flag's fp32 op."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm_pypto.kernels.ascend import paging as P
+
+    lens = [7, 13] if layout == "paired" else [7, 40, 2]
+    H, nq, nkv, hd, I, bs, MB, eps, theta = 128, 4, 2, 64, 256, 32, 2, 1e-6, 1e6  # noqa: E741
     B, Q, D = len(lens), nq * hd, nkv * hd
     g = torch.Generator().manual_seed(30)
     bf = lambda *s, k=1.0: (torch.randn(*s, generator=g) * k).to(torch.bfloat16)  # noqa: E731
@@ -185,30 +226,60 @@ def test_decode_layer_kernel_equals_reference():
 
     q1, s1, h = L.rmsnorm_quant(x, r, g_in, eps)
     qkv = L.linear_q(q1, s1, w_qkv, s_qkv)
-    qr, kr = L.qk_norm_rope(qkv[:, :Q].reshape(B, nq, hd), qkv[:, Q:Q + D].reshape(B, nkv, hd), positions, g_q, g_k,
-                            eps, theta)
+    q3, k3 = qkv[:, :Q].reshape(B, nq, hd), qkv[:, Q:Q + D].reshape(B, nkv, hd)
+    if qk_mode == "fused":
+        qr, kr = L.qk_norm_rope(q3, k3, positions, g_q, g_k, eps, theta)
+        cos_sin = L.rope_cos_sin(positions, hd, theta)
+    else:
+        with set_current_vllm_config(VllmConfig()):
+            qn, kn = RMSNorm(hd, eps=eps), RMSNorm(hd, eps=eps)
+            rope = get_rope(hd, max_position=4096, is_neox_style=True, dtype=torch.bfloat16,
+                            rope_parameters={"rope_theta": theta, "rope_type": "default"})
+        qn.weight.data, kn.weight.data = g_q, g_k
+        qr, kr = rope.forward_native(positions, qn.forward_native(q3).reshape(B, -1),
+                                     kn.forward_native(k3).reshape(B, -1))
+        cos_sin = rope.cos_sin_cache[positions].float().chunk(2, -1)
     rk, rv, attn = spec_attention(qr.reshape(B * nq, hd), kr.reshape(B, D), qkv[:, Q + D:], slots, tables, lens, kc,
                                   vc, nkv, bs)
     q2, s2, h2 = L.rmsnorm_quant(R.a8w8_linear(attn.reshape(B, Q), w_o, s_o), h, g_post, eps)
     ref = L.linear_q(*L.silu_mul_quant(L.linear_q(q2, s2, w_gu, s_gu)), w_d, s_d).float()
 
-    # through the backend's host wrapper, with the caches in vLLM's [blocks, block_size, nkv, hd] layout
-    backend = PyptoBackend(SIM)
+    backend = PyptoBackend(run_mode=SIM)
     weights = {"input_layernorm": g_in, "q_norm": g_q, "k_norm": g_k, "post_attention_layernorm": g_post,
                **{name: backend.prepack(w, s) for name, (w, s) in {
                    "qkv_proj": (w_qkv, s_qkv), "o_proj": (w_o, s_o), "gate_up_proj": (w_gu, s_gu),
                    "down_proj": (w_d, s_d)}.items()}}
-    k4, v4 = (c.view(-1, bs, nkv, hd) for c in (kc, vc))
+    kv, isa, read = platform_cache(layout, kc, vc, nkv, hd, bs)
+    batch = P.DecodeBatch(slots[:, 0], tables, torch.tensor(lens, dtype=torch.int32))
     with interpreter():
-        out, h_out = backend.decode_layer(x, r, positions, weights, k4, v4, slots[:, 0], tables, torch.tensor(lens),
-                                          eps, theta)
+        out, h_out = backend.decode_layer(x, r, weights, kv, batch, cos_sin, eps, qk_mode, isa)
+    k_now, v_now = read(kv)
     # fp32 norms here, fp64 in the reference: a bf16 step in q/k or one int8 step may move, nothing more
-    torch.testing.assert_close(kc.float(), rk.float(), rtol=2 ** -7, atol=1e-2)
-    assert torch.equal(vc, rv)
+    torch.testing.assert_close(k_now.float(), rk.float(), rtol=2 ** -7, atol=1e-2)
+    assert torch.equal(v_now, rv)
     torch.testing.assert_close(h_out, h2, rtol=2 ** -7, atol=1e-2)
     err = (out.float() - ref).abs().max().item()
-    print(f"\ndecode layer: max |pypto - reference| {err:.3g} of {ref.abs().max().item():.3g}")
-    assert out.abs().sum() > 0 and err <= 0.02 * ref.abs().max().item()
+    print(f"\ndecode layer ({layout}, {qk_mode}): max |pypto - reference| {err:.3g} of {ref.abs().max().item():.3g}")
+    assert out.shape == (B, H) and out.abs().sum() > 0 and err <= 0.02 * ref.abs().max().item()
+
+
+def test_prefill_kernels_equal_reference():
+    """The prefill path's kernels through the backend: token rows padded to a power of two."""
+    M, H, N = 13, 128, 192
+    g = torch.Generator().manual_seed(40)
+    x, r, gamma, *_ = _block_case(M, H, 64, 40)
+    w = torch.randint(-127, 128, (N, H), generator=g, dtype=torch.int8)
+    ws = torch.rand(N, generator=g) * 0.01 + 1e-4
+    backend = PyptoBackend(run_mode=SIM)
+    packed = backend.prepack(w, ws)
+    with interpreter():
+        q, s, h = backend.rmsnorm_quant(x, r, gamma, 1e-6)
+        y = backend.linear_q(q, s, packed)
+    qr, sr, hr = L.rmsnorm_quant(x, r, gamma, 1e-6)
+    assert q.shape == (M, H) and s.shape == (M,) and torch.equal(h, hr)
+    assert (q.int() - qr.int()).abs().max() <= 1
+    assert torch.equal(y, L.linear_q(q, s, w, ws))
+    assert backend.stats.calls == 2
 
 
 @pytest.mark.heavy

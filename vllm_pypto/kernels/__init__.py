@@ -9,7 +9,8 @@ AVX512-VNNI / AMX-INT8 kernels, built with the package). `auto` (the default) ta
 CPU has VNNI and the extension is built, else `reference` with one warning. A PyPTO/Ascend
 backend plugs in here too, imported lazily, so the serving path never imports what the
 machine cannot run (`pypto`: kernels/ascend/, where torch_npu is installed). Choose with
-VLLM_PYPTO_BACKEND=auto|reference|cpu|pypto; VLLM_PYPTO_CPU_AMX=0
+VLLM_PYPTO_BACKEND=auto|reference|cpu|pypto|pypto-interpret (the PyPTO kernels in pypto's
+interpreter on a CPU: a correctness tool for the Ascend path); VLLM_PYPTO_CPU_AMX=0
 keeps the cpu backend on AVX512-VNNI for every M.
 """
 
@@ -30,6 +31,7 @@ from . import ops, reference  # noqa: E402,F401  registers torch.ops.pypto.* and
 
 class A8W8Backend(ABC):
     name: str
+    runs_layers = False  # True: the model class hands it whole decoder layers (the PyPTO backend)
 
     @abstractmethod
     def isa(self) -> str:
@@ -151,7 +153,7 @@ def native_cpu_status() -> str | None:
     return None
 
 
-BACKENDS = ("auto", "reference", "cpu", "pypto")
+BACKENDS = ("auto", "reference", "cpu", "pypto", "pypto-interpret")
 
 
 def ascend_present() -> bool:
@@ -162,13 +164,18 @@ def ascend_present() -> bool:
     return importlib.util.find_spec("torch_npu") is not None
 
 
-def _pypto_backend() -> A8W8Backend:
-    from .ascend.backend import PyptoBackend, npu_status
+def _pypto_backend(interpret: bool) -> A8W8Backend:
+    from .ascend.backend import PyptoBackend, npu_status, pypto_status
 
-    why_not = npu_status()
+    why_not = pypto_status() if interpret else npu_status()
     if why_not is not None:
-        raise RuntimeError(f"VLLM_PYPTO_BACKEND=pypto but {why_not}")
-    return PyptoBackend()
+        raise RuntimeError(f"VLLM_PYPTO_BACKEND={'pypto-interpret' if interpret else 'pypto'} but {why_not}")
+    if interpret:
+        logger.warning("pypto-a8w8: VLLM_PYPTO_BACKEND=pypto-interpret runs the Ascend path's PyPTO kernels in "
+                       "pypto's interpreter on this CPU: a correctness tool for that path, seconds per kernel call, "
+                       "not a CPU serving mode (pypto's licence covers use with Huawei AI processors; CPU serving "
+                       "uses the native kernels)")
+    return PyptoBackend(interpret=interpret)
 
 
 def cpu_isa_flags() -> list[str]:
@@ -209,8 +216,8 @@ def get_backend(name: str | None = None) -> A8W8Backend:
     if name not in BACKENDS:
         raise ValueError(f"VLLM_PYPTO_BACKEND={name!r} is not a backend; choose one of {', '.join(BACKENDS)}")
     backend: A8W8Backend = ReferenceBackend()
-    if name == "pypto" or (name == "auto" and ascend_present()):
-        backend = _pypto_backend()
+    if name in ("pypto", "pypto-interpret") or (name == "auto" and ascend_present()):
+        backend = _pypto_backend(interpret=name == "pypto-interpret")
     elif name in ("auto", "cpu"):
         why_not = native_cpu_status()
         if why_not is None:
@@ -224,7 +231,7 @@ def get_backend(name: str | None = None) -> A8W8Backend:
     threads, cpus = torch.get_num_threads(), os.cpu_count() or 1
     logger.info("pypto-a8w8: linear layers run on backend=%s (%s); CPU ISA: %s; %d of %d CPUs",
                 backend.name, backend.isa(), " ".join(cpu_isa_flags()) or "unknown", threads, cpus)
-    if backend.name != "pypto":
+    if not backend.runs_layers:
         note = thread_note(threads, cpus, _ranks(), os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"))
         if note:
             logger.warning("pypto-a8w8: %s", note)

@@ -29,11 +29,12 @@ from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
-from vllm.model_executor.models.utils import PPMissingLayer, maybe_prefix
+from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index, maybe_prefix
 
 from .. import flags
-from ..kernels import layer_ref
+from ..kernels import get_backend, layer_ref
 from ..quant.linear import PyptoA8W8LinearMethod
+from . import pypto_layer
 
 
 def takes_int8(linear: nn.Module) -> bool:
@@ -63,6 +64,11 @@ class PyptoQwen3DecoderLayer(Qwen3DecoderLayer):
             raise ValueError(f"flag fused_qk_norm_rope implements plain RoPE only; this checkpoint's "
                              f"rope_parameters are {rope}")
         self.rope_theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 1e6)))
+        # PyPTO backend: whole layers on its kernels (pypto_layer.py)
+        self.pypto = get_backend().runs_layers
+        if self.pypto:
+            pypto_layer.check_layer(self)
+            self.first = extract_layer_index(self.self_attn.attn.layer_name) == 0
 
     def _norm_into(self, norm, linear, x, residual):
         """norm(x + residual) into `linear` -> (linear's output, new residual)."""
@@ -112,6 +118,8 @@ class PyptoQwen3DecoderLayer(Qwen3DecoderLayer):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pypto:
+            return pypto_layer.forward(self, positions, hidden_states, residual, self.first)
         attn = self.self_attn
         qkv, residual = self._norm_into(self.input_layernorm, attn.qkv_proj, hidden_states, residual)
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
@@ -129,6 +137,8 @@ class PyptoQwen3ForCausalLM(Qwen3ForCausalLM):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         nn.Module.__init__(self)
+        if get_backend().runs_layers:
+            pypto_layer.run_eager(vllm_config)
         config = vllm_config.model_config.hf_config
         self.config, self.vllm_config = config, vllm_config
         self.quant_config = vllm_config.quant_config

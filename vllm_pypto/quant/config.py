@@ -32,9 +32,14 @@ logger = logging.getLogger("vllm.pypto")
 
 @register_quantization_config(NAME)
 class PyptoA8W8Config(QuantizationConfig):
-    def __init__(self, scheme: W8A8Scheme | None = None):
+    def __init__(self, scheme: W8A8Scheme | None = None, quant_description: dict | None = None):
         super().__init__()
         self.scheme = scheme  # None: a float checkpoint, quantized at load
+        # vLLM-Ascend's layers read this from whatever quant config is active: AscendRMSNorm.__init__
+        # iterates `vllm_config.quant_config.quant_description` (vllm_ascend/ops/layernorm.py,
+        # vllm-ascend 0.23.0.post1), as its own configs carry it. Ours: the checkpoint's
+        # quantization_config (no "norm.bias" entries, so it adds no norm biases), {} for bf16.
+        self.quant_description = dict(quant_description or {})
 
     def __repr__(self) -> str:
         return f"PyptoA8W8Config(source={'compressed-tensors W8A8' if self.scheme else 'bf16'})"
@@ -55,7 +60,7 @@ class PyptoA8W8Config(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "PyptoA8W8Config":
-        return cls(W8A8Scheme.from_compressed_tensors(config))
+        return cls(W8A8Scheme.from_compressed_tensors(config), config)
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):

@@ -29,32 +29,54 @@ def score(llm, items: list[dict]) -> list[list[dict]]:
     return scored
 
 
-def generate(model: str, prompts: list[str], max_tokens: int, quantization: str | None = None,
+def kernel_stats() -> dict | None:
+    """The PyPTO backend's counters, where this process ran the model on it (in-process engine)."""
+    from vllm_pypto.kernels import get_backend
+
+    if not get_backend.cache_info().currsize or not get_backend().runs_layers:
+        return None
+    st = get_backend().stats
+    return {"calls": st.calls, "compiled": st.compiled(), "decode_steps": st.decode_steps,
+            "other_steps": st.other_steps}
+
+
+def generate(model: str, prompts: list[str], max_tokens: int | list[int], quantization: str | None = None,
              logprobs: int = 2, chat: bool = False, max_model_len: int = 1024, score_items: list[dict] | None = None,
-             **engine_kwargs) -> dict:
-    """Returns {"results": [...per prompt...], "scored": [...] (if score_items), "startup_s": float}."""
+             then: list[str] | None = None, then_max_tokens: int = 4, **engine_kwargs) -> dict:
+    """Returns {"results": [...per prompt...], "then": [...], "scored": [...] (if score_items),
+    "startup_s": float, "kernel_stats": the PyPTO backend's counters or None}. max_tokens: one for
+    all prompts or one each (the batch then shrinks as prompts finish). then: prompts generated one
+    at a time after the others finished (they find those in the prefix cache)."""
     from vllm import LLM, SamplingParams
 
     t0 = time.time()
     llm = LLM(model, quantization=quantization, dtype="bfloat16", max_model_len=max_model_len,
               seed=0, **engine_kwargs)
     startup = time.time() - t0
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=True)
+    each = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    sp = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=logprobs, ignore_eos=True) for n in each]
     if chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sp,
                         chat_template_kwargs={"enable_thinking": False})
     else:
         outs = llm.generate(prompts, sp)
+    later_sp = SamplingParams(temperature=0.0, max_tokens=then_max_tokens, logprobs=logprobs, ignore_eos=True)
+    later = [llm.generate([p], later_sp)[0] for p in then or []]
+    return {"results": _results(prompts, outs), "then": _results(then or [], later), "startup_s": startup,
+            "scored": score(llm, score_items) if score_items else None, "kernel_stats": kernel_stats()}
+
+
+def _results(prompts: list[str], outs) -> list[dict]:
     results = []
     for p, o in zip(prompts, outs):
         c = o.outputs[0]
         results.append({
             "prompt": p, "prompt_token_ids": list(o.prompt_token_ids), "token_ids": list(c.token_ids),
-            "text": c.text,
+            "text": c.text, "num_cached_tokens": o.num_cached_tokens,
             # per step: the sampled token's logprob and the top alternatives
             "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in (c.logprobs or [])],
         })
-    return {"results": results, "startup_s": startup, "scored": score(llm, score_items) if score_items else None}
+    return results
 
 
 def run(model: str, prompts: list[str], out: str, *args: str, env: dict | None = None,
@@ -84,12 +106,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quantization", default=None, help="e.g. pypto-a8w8; omit for the checkpoint's own")
     ap.add_argument("--prompt", action="append", default=[], help="repeatable")
     ap.add_argument("--prompts-json", help="a JSON list of prompts")
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-tokens", type=lambda v: [int(n) for n in v.split(",")] if "," in v else int(v),
+                    default=48, help="one number, or one per prompt: 8,10,12")
     ap.add_argument("--logprobs", type=int, default=2)
     ap.add_argument("--chat", action="store_true", help="apply the chat template (enable_thinking false)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--additional-config", type=json.loads, default=None)
     ap.add_argument("--score-json", help="a JSON list of {prompt_token_ids, token_ids} to teacher-force")
+    ap.add_argument("--then-json", help="a JSON list of prompts to generate one at a time afterwards")
+    ap.add_argument("--then-max-tokens", type=int, default=4)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--compilation-config", type=json.loads, default=None, help="JSON, as vllm serve -cc")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     ap.add_argument("--out", default="-")
     a = ap.parse_args(argv)
     prompts = list(a.prompt)
@@ -99,12 +128,25 @@ def main(argv: list[str] | None = None) -> None:
     if not prompts:
         ap.error("give at least one --prompt or --prompts-json")
     extra = {"additional_config": a.additional_config} if a.additional_config else {}
+    if a.enforce_eager:
+        extra["enforce_eager"] = True
+    if a.compilation_config:
+        extra["compilation_config"] = a.compilation_config
+    if a.enable_prefix_caching is not None:
+        extra["enable_prefix_caching"] = a.enable_prefix_caching
+    if a.kv_cache_memory_bytes:
+        extra["kv_cache_memory_bytes"] = a.kv_cache_memory_bytes
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM-CPU lets this legacy variable win over the argument
     items = None
     if a.score_json:
         with open(a.score_json) as f:
             items = json.load(f)
+    then = None
+    if a.then_json:
+        with open(a.then_json) as f:
+            then = json.load(f)
     res = generate(a.model, prompts, a.max_tokens, a.quantization, a.logprobs, a.chat, a.max_model_len,
-                   score_items=items, **extra)
+                   score_items=items, then=then, then_max_tokens=a.then_max_tokens, **extra)
     text = json.dumps(res, ensure_ascii=False, indent=1)
     if a.out == "-":
         sys.stdout.write(text + "\n")

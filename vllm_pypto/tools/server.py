@@ -34,8 +34,9 @@ class VllmServer:
     def __init__(self, model: str, *args: str, port: int | None = None, env: dict | None = None,
                  startup_timeout: float = 600.0):
         self.model, self.args, self.port = model, list(args), port or free_port()
-        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                    **(env or {})}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **(env or {})}
+        # None removes a variable (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE wins over --kv-cache-memory-bytes)
+        self.env = {k: v for k, v in env.items() if v is not None}
         self.startup_timeout = startup_timeout
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-serve-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None

