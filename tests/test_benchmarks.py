@@ -141,6 +141,7 @@ def test_quality_script_refuses_a_quantized_reference(tiny_w8a8, tmp_path):
     assert r.returncode == 2 and "--reference" in r.stderr
 
 
+@pytest.mark.slow  # three servers and `vllm bench serve` (~3 min): make test-slow, which CI runs
 def test_serving_script_records_bench_serve_metrics(tmp_path):
     out = tmp_path / "results"
     r = run_script("serving.py", "--shapes", "tiny", "--configs", "pypto-a8w8:w8a8", "--concurrency", "1,2",
@@ -165,6 +166,7 @@ def serving_metrics() -> list[str]:
     return [f"{s}_{m}_ms" for m in METRICS for s in STATS] + list(THROUGHPUT)
 
 
+@pytest.mark.slow  # two servers and lm-eval's local tasks (~7 min): make test-slow, which CI runs
 def test_accuracy_script_runs_lm_eval_and_sees_the_guardrail(tiny_bf16, tmp_path):
     r = run_script("accuracy.py", "--model", tiny_bf16, "--configs", f"pypto-a8w8,{GUARDRAIL}", "--limit", "12",
                    "--min-agreement", "0.3", "--out", str(tmp_path))

@@ -26,17 +26,35 @@ from ..kernels.ascend import paging
 SUPPORTED_FLAGS = frozenset({"fused_qk_norm_rope"})
 
 
-def run_eager(vllm_config) -> None:
-    """Before the model is built: no torch.compile and no graph capture for this worker (the
-    docstring above says why); what --enforce-eager sets, so users need not pass it."""
+# pypto-interpret: the interpreter copies a layer's whole cache on every call (a 1 GiB cache ran a
+# 24 GiB machine out of memory within two decode steps), so unless asked otherwise it gets this
+INTERPRET_KV_BYTES = 32 << 20
+INTERPRET_KV_WARN_BYTES = 256 << 20
+
+
+def prepare(vllm_config, backend) -> None:
+    """Before the model is built, in the worker (the KV cache is sized after the model loads): no
+    torch.compile and no graph capture, what --enforce-eager sets, so users need not pass it (the
+    docstring above says why); under pypto-interpret a small KV cache unless one was asked for."""
     from vllm.config import CompilationMode, CUDAGraphMode
+
+    from ..kernels import logger
 
     cc = vllm_config.compilation_config
     if cc.mode != CompilationMode.NONE or cc.cudagraph_mode != CUDAGraphMode.NONE:
-        from ..kernels import logger
-
         logger.info("pypto-a8w8: the PyPTO backend runs the model eager (no torch.compile, no graph capture)")
         cc.mode, cc.cudagraph_mode = CompilationMode.NONE, CUDAGraphMode.NONE
+    if not getattr(backend, "interpret", False):
+        return
+    cache = vllm_config.cache_config
+    if cache.kv_cache_memory_bytes is None:
+        cache.kv_cache_memory_bytes = INTERPRET_KV_BYTES
+        logger.info("pypto-a8w8: pypto-interpret sizes the KV cache at %d MiB (the interpreter copies a layer's "
+                    "whole cache per call); --kv-cache-memory-bytes sets another size", INTERPRET_KV_BYTES >> 20)
+    elif cache.kv_cache_memory_bytes > INTERPRET_KV_WARN_BYTES:
+        logger.warning("pypto-a8w8: a %d MiB KV cache under pypto-interpret: the interpreter copies a layer's "
+                       "whole cache on every call, so memory and time grow with it; 16-64 MiB suffice for tests",
+                       cache.kv_cache_memory_bytes >> 20)
 
 
 def check_layer(layer) -> None:

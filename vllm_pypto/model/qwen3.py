@@ -138,7 +138,7 @@ class PyptoQwen3ForCausalLM(Qwen3ForCausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         nn.Module.__init__(self)
         if get_backend().runs_layers:
-            pypto_layer.run_eager(vllm_config)
+            pypto_layer.prepare(vllm_config, get_backend())
         config = vllm_config.model_config.hf_config
         self.config, self.vllm_config = config, vllm_config
         self.quant_config = vllm_config.quant_config
