@@ -1,18 +1,19 @@
 """The configuration grammar every benchmark shares, so one name means one thing in
 tpot.py, serving.py, quality.py and accuracy.py:
 
-    method[:fmt][@backend][+noamx][+vllm-model][+allcores][+<flag>...]
+    method[:fmt][@backend][+<isa>][+vllm-model][+allcores][+<flag>...]
 
 - method: `bf16` (stock vLLM, no quantization), `ct` (vLLM-CPU's own compressed-tensors
   path; needs a W8A8 folder) or `pypto-a8w8` (ours);
 - fmt: the checkpoint folder to use, `bf16` or `w8a8` (default: bf16 for bf16/pypto-a8w8,
   w8a8 for ct);
 - @backend: our kernel backend, VLLM_PYPTO_BACKEND (`reference`, `cpu`, `pypto`);
-- +noamx: the cpu backend on VNNI for every M; +vllm-model: vLLM's Qwen3 class with our
+- +<isa> (amx, avx512, avx_vnni, avx2): the cpu backend on that ISA path (VLLM_PYPTO_CPU_ISA;
+  a path this CPU lacks fails at start-up); +vllm-model: vLLM's Qwen3 class with our
   linears; +<flag>: a flag of vllm_pypto.flags (unknown names fail here, before any start);
 - +allcores (any method): VLLM_CPU_NUM_OF_RESERVED_CPU=0, so vLLM-CPU's worker computes on every
   CPU instead of leaving one per rank to its scheduler process (halves the compute threads on a
-  2-CPU machine; README, "CPU threads").
+  2-CPU machine; docs/performance.md, "CPU threads").
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 from vllm_pypto import flags
 
 METHODS = ("bf16", "ct", "pypto-a8w8")
-MODS = ("noamx", "vllm-model", "allcores")
+ISAS = ("amx", "avx512", "avx_vnni", "avx2")
+MODS = (*ISAS, "vllm-model", "allcores")
 ANY_METHOD_MODS = ("allcores",)
 
 
@@ -49,8 +51,8 @@ class Config:
             env["VLLM_PYPTO_BACKEND"] = self.backend
         if self.flags:
             env[flags.ENV] = ",".join(self.flags)
-        if "noamx" in self.mods:
-            env["VLLM_PYPTO_CPU_AMX"] = "0"
+        for isa in set(ISAS) & set(self.mods):
+            env["VLLM_PYPTO_CPU_ISA"] = isa
         if "vllm-model" in self.mods:
             env["VLLM_PYPTO_MODEL"] = "vllm"
         if "allcores" in self.mods:

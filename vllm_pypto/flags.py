@@ -23,7 +23,7 @@ class Flag:
     name: str
     description: str
     status: str
-    tpot_effect: str  # measured (shape, against the default path's range in the same session)
+    tpot_effect: str  # measured, in short; the runs, dated, are in docs/performance.md
     test_only: bool = False  # exists to prove a check can fail; refused unless TEST_FLAGS_ENV=1
 
 
@@ -31,21 +31,16 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
     Flag("fused_qk_norm_rope",
          "Q/K per-head RMSNorm and RoPE as one op in fp32 (one bf16 rounding, the spec's order); the Q heads "
          "of a GQA group rotate as one tile with cos/sin replicated per head",
-         "experimental", "0.6B, every CPU, two interleaved rounds (2026-11-30 20:09-20:22, `tpot.py`, "
-         "`results/2026-11-30-vm-tpot-0.6B-flags-allcores.json`): 48.6 and 47.7 vs 47.5 and 47.3 ms default "
-         "(+1-2%); earlier (05:24, one worker thread) 86.0 vs 84.7 ms; in-process +10-25% alone"),
+         "experimental", "+1-2% (0.6B, served batch 1, two interleaved rounds); in-process +10-25%"),
     Flag("deferred_rms",
          "Quantize bf16(x*gamma) and fold 1/rms into the activation scale after the GEMM (upstream decode trick)",
-         "experimental", "same runs: 46.7 and 47.2 ms (-2% to 0%); earlier 87.6 vs 84.7 ms (+3%); in-process "
-         "none measurable"),
+         "experimental", "-2% to 0% (same runs); in-process none measurable"),
     Flag("fused_gate_up_silu",
          "SiLU(gate)*up and the down-proj's quantization in the gate_up GEMM's fp32 epilogue (no bf16 gate/up)",
-         "experimental", "same runs: 48.8 and 46.6 ms (+3% / -2%); all three flags together 49.7 and 49.2 ms "
-         "(+4-5% in both rounds); earlier +3%, in-process within noise"),
+         "experimental", "+3% / -2% (same runs); the three flags together +4-5%; in-process within noise"),
     Flag("bf16_down_proj",
          "Run mlp.down_proj in bf16 (int8 checkpoints are dequantized at load), as the upstream did",
-         "rejected", "0.6B vllm serve batch-1: +21% (102.1 vs 84.7 ms); in-process +40%; twice the down-proj "
-         "bytes"),
+         "rejected", "+21% (0.6B, served batch 1); in-process +40%; twice the down-proj bytes"),
     Flag("guardrail_broken_q_rope",
          "TEST ONLY: fused_qk_norm_rope with cos/sin replicated token-major, the upstream's non-equivalent batched "
          "Q RoPE; the quality checks must fail with it",

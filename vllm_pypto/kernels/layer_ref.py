@@ -3,7 +3,7 @@
 Rounding points follow the spec (shared seed-notes, "Numerics"): the hidden state is
 carried in bf16, residual adds and norms are computed in fp32, and every activation
 that feeds an int8 GEMM is rounded to bf16 before it is quantized per token. The native
-kernels (csrc/a8w8_cpu.cpp) must give the same int8 values and scales.
+kernels (csrc/, every ISA path) must give the same int8 values and scales.
 
 Two choices go beyond the spec, so that an implementation can match exactly: the mean
 square of a row accumulates in fp64 (exact for bf16 squares in practice, so the sum

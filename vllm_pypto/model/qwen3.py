@@ -89,7 +89,7 @@ class PyptoQwen3DecoderLayer(Qwen3DecoderLayer):
         if "fused_qk_norm_rope" in self.flags:
             # Plain torch, so that torch.compile can fuse it: as one opaque custom op it ran ~30
             # eager ops per layer (+25% TPOT on 0.6B); traced it measured +10-20% alone and no
-            # loss with the other flags, within this host's noise (README, flags table).
+            # loss with the other flags, within this host's noise (docs/performance.md, flags).
             q3, k3 = layer_ref.qk_norm_rope(q3, k3, positions, attn.q_norm.weight, attn.k_norm.weight,
                                             attn.q_norm.variance_epsilon, self.rope_theta,
                                             "guardrail_broken_q_rope" in self.flags)

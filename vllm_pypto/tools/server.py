@@ -32,18 +32,23 @@ def vllm_command() -> str:
 
 class VllmServer:
     def __init__(self, model: str, *args: str, port: int | None = None, env: dict | None = None,
-                 startup_timeout: float = 600.0):
+                 startup_timeout: float = 600.0, progress=None):
+        """progress(seconds, line): called while the server starts, with each new last line of its log."""
         self.model, self.args, self.port = model, list(args), port or free_port()
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **(env or {})}
         # None removes a variable (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE wins over --kv-cache-memory-bytes)
         self.env = {k: v for k, v in env.items() if v is not None}
-        self.startup_timeout = startup_timeout
+        self.startup_timeout, self.progress = startup_timeout, progress
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-serve-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def log_lines(self, containing: str) -> list[str]:
+        with open(self.log.name, errors="replace") as f:
+            return [ln.rstrip("\n") for ln in f if containing in ln]
 
     def log_tail(self, n: int = 60) -> str:
         with open(self.log.name, errors="replace") as f:
@@ -53,8 +58,12 @@ class VllmServer:
         cmd = [vllm_command(), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
-        deadline = time.time() + self.startup_timeout
+        t0 = time.time()
+        deadline, shown = t0 + self.startup_timeout, ""
         while time.time() < deadline:
+            if self.progress and (last := self.log_tail(1).strip()) and last != shown:
+                self.progress(time.time() - t0, last)
+                shown = last
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}")
             if self.healthy():

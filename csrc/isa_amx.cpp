@@ -1,0 +1,130 @@
+// The AMX-INT8 path: tdpbusd on 16x64 tiles for M >= amx_min_m(); below that, and for every
+// row op, the AVX512-VNNI path (every AMX CPU has it), which streams the weights as fast there.
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+
+#include "avx512.h"
+
+#define AMX_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+namespace a8w8 {
+
+namespace {
+std::atomic<int64_t> min_rows{4};  // below this the VNNI path streams weights as fast (measured)
+}
+
+int64_t amx_min_m() { return min_rows.load(); }
+void set_amx_min_m(int64_t m) { min_rows.store(std::max<int64_t>(1, m)); }
+
+// Linux hands out AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA),
+// once per process; without it the first tile instruction kills the process.
+bool amx_permitted() {
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-int8") || !__builtin_cpu_supports("amx-tile")) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+namespace amx {
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile as 16 rows of 64 bytes: int8 A and B tiles, int32 16x16 C tiles. Tile state is
+// per thread, so each thread loads it before its first tile instruction.
+AMX_TARGET void load_tile_config() {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// One 64-channel weight tile for rows [r0, r0 + 16): one A tile against the whole tile, 4 C
+// tiles and 3 B tiles in rotation, so the weights stream in order, once per 16 rows (measured
+// faster than 2x2 blocks of 32 rows x 32 channels at every M from 24 to 2048: docs/performance.md).
+// The activation rows are padded to a multiple of 16 (q 0) so tiles never read past them.
+template <bool I32>
+AMX_TARGET void block(const Gemm& g, const int8_t* wt, int64_t r0, int64_t n0) {
+  alignas(64) int32_t c[16][64];
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t kb = 0; kb < g.Kp / KA; ++kb) {
+    const int8_t* b = wt + kb * 16 * 256;
+    _tile_loadd(4, g.a + r0 * g.Kp + kb * KA, g.Kp);
+    _tile_loadd(5, b, 256);
+    _tile_dpbusd(0, 4, 5);
+    _tile_loadd(6, b + 64, 256);
+    _tile_dpbusd(1, 4, 6);
+    _tile_loadd(7, b + 128, 256);
+    _tile_dpbusd(2, 4, 7);
+    _tile_loadd(5, b + 192, 256);
+    _tile_dpbusd(3, 4, 5);
+  }
+  _tile_stored(0, &c[0][0], 256); _tile_stored(1, &c[0][16], 256);
+  _tile_stored(2, &c[0][32], 256); _tile_stored(3, &c[0][48], 256);
+  for (int s = 0; s < 4; ++s) {
+    const int64_t n = n0 + 16 * s;
+    if (n >= g.N) break;
+    const __mmask16 m = avx512::tail_mask(g.N - n);
+    const __m512i cp = _mm512_maskz_loadu_epi32(m, g.comp + n);
+    const __m512 ws = I32 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, g.ws + n);
+    for (int64_t r = 0; r < 16 && r0 + r < g.M; ++r)
+      avx512::store16<I32>(_mm512_load_si512(&c[r][16 * s]), cp, ws, I32 ? 0.f : g.ascale[r0 + r],
+                           g.y + (r0 + r) * g.ldy, n, m);
+  }
+}
+
+template <bool I32>
+AMX_TARGET void tiles(const Gemm& g, int64_t tb, int64_t te) {
+  load_tile_config();
+  // Rows in chunks of about 8 MiB of activations: every chunk streams the whole weight from DRAM
+  // once more, while a chunk re-read per tile comes from L3 (chunks sized for L2 cost more in
+  // weight passes than they saved: docs/performance.md).
+  const int64_t Mc = std::max<int64_t>(16, (int64_t{8} << 20) / g.Kp / 16 * 16);
+  for (int64_t m0 = 0; m0 < g.M; m0 += Mc)
+    for (int64_t t = tb; t < te; ++t)
+      for (int64_t r0 = m0; r0 < std::min(g.M, m0 + Mc); r0 += 16)
+        block<I32>(g, g.w + t * g.tile_bytes(), r0, t * NT);
+  _tile_release();
+}
+
+bool takes(int64_t M) { return M >= min_rows.load(); }
+
+int64_t rows_held(int64_t M) { return takes(M) ? round_up(M, 16) : M; }
+
+void gemm(const Gemm& g, int64_t tb, int64_t te) {
+  if (!takes(g.M)) return avx512::gemm(g, tb, te);
+  g.i32 ? tiles<true>(g, tb, te) : tiles<false>(g, tb, te);
+}
+
+// 4 independent tdpbusd tiles, 16 x 16 x 64 multiply-adds each.
+AMX_TARGET int64_t peak_loop(int64_t iters) {
+  load_tile_config();
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+  for (int64_t i = 0; i < iters; ++i) {
+    _tile_dpbusd(0, 4, 6); _tile_dpbusd(1, 4, 7); _tile_dpbusd(2, 5, 6); _tile_dpbusd(3, 5, 7);
+  }
+  alignas(64) int32_t c[16][16];
+  _tile_stored(0, c, 64);  // keeps the loop
+  _tile_release();
+  return iters * 4 * 16 * 16 * 64 * 2 + c[0][0];
+}
+
+}  // namespace
+}  // namespace amx
+
+const Kernels amx_kernels = {
+    "amx", true, amx::rows_held, avx512::quantize_row, amx::gemm, avx512::rmsnorm_quant_row,
+    avx512::silu_mul_bf16, avx512::silu_mul_acc, avx512::read_slice, amx::peak_loop,
+};
+
+}  // namespace a8w8
