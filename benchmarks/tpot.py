@@ -108,12 +108,13 @@ def main() -> None:
         json.dump(report, f, indent=1)
     plot(report, os.path.join(a.out, stamp + ".png"))
     base = rows[0]["tpot_ms_median"]
-    print(f"\n| config | shape | TPOT ms (median of {a.requests}) | TTFT ms | TPOT vs {rows[0]['config']} "
-          f"| TPOT / bandwidth bound ({bound_ms:.1f} ms) |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['config']} | {r['shape']} | {r['tpot_ms_median']:.1f} | {r['ttft_ms_median']:.0f} | "
-              f"{r['tpot_ms_median'] / base:.2f}x | {r['tpot_ms_median'] / bound_ms:.2f}x |")
+    lines = [f"| config | shape | TPOT ms (median of {a.requests}) | TTFT ms | TPOT vs {rows[0]['config']} "
+             f"| TPOT / bandwidth bound ({bound_ms:.1f} ms) |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['config']} | {r['shape']} | {r['tpot_ms_median']:.1f} | {r['ttft_ms_median']:.0f} | "
+              f"{r['tpot_ms_median'] / base:.2f}x | {r['tpot_ms_median'] / bound_ms:.2f}x |" for r in rows]
+    print("\n" + "\n".join(lines))
+    with open(os.path.join(a.out, stamp + ".md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

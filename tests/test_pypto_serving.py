@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("pypto", reason="the test extra's pypto==0.2.0 is not installed")
 
-from conftest import ENV  # noqa: E402
+from conftest import ENV, noise_only  # noqa: E402
 from vllm_pypto.tools import generate  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -38,10 +38,6 @@ TOUR = " ".join(f"step {i} of the tour goes to hall {i}," for i in range(16))
 THEN = [TOUR, TOUR + " and then we rest in the garden."]
 INTERP_ENV = {**ENV, "VLLM_PYPTO_BACKEND": "pypto-interpret"}
 SMALL_KV = str(16 << 20)  # the interpreter copies a layer's whole cache per call: keep it small
-MARGIN = 0.13  # four bf16 steps of logits of magnitude 4-8
-MAX_DLP = 0.2
-
-
 def run(model: str, out: str, env: dict, *args: str) -> dict:
     then = out + ".then.json"
     with open(then, "w") as f:
@@ -60,27 +56,6 @@ def reference(tiny_w8a8, tmp_path_factory):
 @pytest.fixture(scope="module")
 def interpreted(tiny_w8a8, tmp_path_factory):
     return run(tiny_w8a8, str(tmp_path_factory.mktemp("interp") / "interp.json"), INTERP_ENV)
-
-
-def margin(step: dict) -> float:
-    top = sorted(step.values(), reverse=True)
-    return top[0] - top[1]
-
-
-def noise_only(ref: dict, got: dict) -> dict:
-    """Greedy tokens equal up to the first divergence, which only a near-tie of the reference may
-    cause; the chosen tokens' logprobs agree until then. Returns where it diverged."""
-    r, g = ref["token_ids"], got["token_ids"]
-    assert got["prompt_token_ids"] == ref["prompt_token_ids"]
-    assert len(g) == len(r) and g[0] == r[0], "the prefill's token differs"
-    at = next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r))
-    for i in range(at):
-        dlp = abs(got["logprobs"][i][str(r[i])] - ref["logprobs"][i][str(r[i])])
-        assert dlp <= MAX_DLP, f"step {i}: logprob of the shared token moved by {dlp:.3f}"
-    if at < len(r):
-        assert margin(ref["logprobs"][at]) <= MARGIN, (
-            f"diverged at step {at} where the reference's top-2 margin is {margin(ref['logprobs'][at]):.3f}")
-    return {"diverged_at": at, "of": len(r), "ref_margin": None if at == len(r) else margin(ref["logprobs"][at])}
 
 
 def test_decode_steps_run_as_pypto_kernels_with_the_reference_tokens(reference, interpreted):

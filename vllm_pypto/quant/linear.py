@@ -5,6 +5,11 @@ Parameters use vLLM's own parameter classes, so packed modules (qkv_proj,
 gate_up_proj) and tensor parallelism load by vLLM's rules: column-parallel layers
 split weight and weight_scale by output channel, row-parallel ones split the weight
 by input channel and keep every scale.
+
+A bf16 checkpoint is quantized as its tensors arrive: the layer holds int8 parameters from the
+start, and the loader quantizes each checkpoint tensor (one q/k/v or gate/up shard, whole K)
+before vLLM slices it for this rank. So loading peaks at the int8 model plus about one bf16
+tensor, never the bf16 model, and a row-parallel shard's channel amax still covers all of K.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ class PyptoA8W8LinearMethod(LinearMethodBase):
     def __init__(self, prefix: str, source_int8: bool, run_bf16: bool = False):
         self.prefix, self.source_int8, self.run_bf16 = prefix, source_int8, run_bf16
         self.backend = None if run_bf16 else get_backend()
+        # int8 parameters whatever the checkpoint holds, unless the layer runs bf16
+        self.holds_int8 = source_int8 or not run_bf16
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
                        output_size, params_dtype, **extra_weight_attrs):
@@ -39,11 +46,11 @@ class PyptoA8W8LinearMethod(LinearMethodBase):
         rows = sum(output_partition_sizes)
         layer.logical_widths = output_partition_sizes
         layer._pypto_loaded = {"weight": set(), "weight_scale": set()}
-        wdtype = torch.int8 if self.source_int8 else params_dtype
+        wdtype = torch.int8 if self.holds_int8 else params_dtype
         layer.register_parameter("weight", ModelWeightParameter(
             data=torch.empty(rows, input_size_per_partition, dtype=wdtype),
             input_dim=1, output_dim=0, weight_loader=loader))
-        if self.source_int8:
+        if self.holds_int8:
             layer.register_parameter("weight_scale", ChannelQuantScaleParameter(
                 data=torch.empty(rows, 1, dtype=torch.float32), output_dim=0, weight_loader=loader))
 
@@ -60,12 +67,21 @@ class PyptoA8W8LinearMethod(LinearMethodBase):
                                       f"expected one of {[str(d) for d in allowed]}")
             if pname == "weight_scale" and loaded_weight.dim() == 1:
                 loaded_weight = loaded_weight.unsqueeze(1)  # [out] on disk is fine too
-            try:
-                inner(param, loaded_weight, *args, **kwargs)
-            except AssertionError as e:
-                raise CheckpointError(f"{where}: checkpoint tensor of shape {list(loaded_weight.shape)} does "
-                                      f"not fit the parameter of shape {list(param.shape)}") from e
-            layer._pypto_loaded[pname].add(shard)
+            tensors = [(param, loaded_weight, pname)]
+            if pname == "weight" and self.holds_int8 and not self.source_int8:
+                try:  # the whole checkpoint tensor, before vLLM narrows it to this rank's slice
+                    q, scale = quantize_weight_per_channel(loaded_weight)
+                except ValueError as e:
+                    raise CheckpointError(f"{where}: {e}") from e
+                tensors = [(param, q, "weight"), (layer.weight_scale, scale.unsqueeze(1), "weight_scale")]
+                del loaded_weight
+            for p, t, name in tensors:
+                try:
+                    inner(p, t, *args, **kwargs)
+                except AssertionError as e:
+                    raise CheckpointError(f"{where}: checkpoint tensor of shape {list(t.shape)} does "
+                                          f"not fit the parameter of shape {list(p.shape)}") from e
+                layer._pypto_loaded[name].add(shard)
         return load
 
     def _check_loaded(self, layer, pname: str) -> None:
@@ -80,7 +96,7 @@ class PyptoA8W8LinearMethod(LinearMethodBase):
         weight = layer.weight.data
         # Row-parallel shards hold a slice of K: scales and sums need all ranks (quant/tp.py).
         tp_row = isinstance(layer, RowParallelLinear) and layer.tp_size > 1
-        if self.source_int8:
+        if self.holds_int8:
             self._check_loaded(layer, "weight_scale")
             scale = layer.weight_scale.data.view(-1)
             bad = ~torch.isfinite(scale) | (scale <= 0)
@@ -93,11 +109,6 @@ class PyptoA8W8LinearMethod(LinearMethodBase):
             layer.weight = Parameter(bf16.to(torch.bfloat16), requires_grad=False)
             layer._pypto_packed = None
             return
-        if not self.source_int8:
-            try:
-                weight, scale = quantize_weight_per_channel(weight, tp.weight_amax(weight) if tp_row else None)
-            except ValueError as e:
-                raise CheckpointError(f"{self.prefix}.weight: {e}") from e
         if getattr(layer, "tp_size", 1) > 1 and ".layers.0." in self.prefix:  # shards, not copies
             logger.info("pypto-a8w8: %s holds weight [%d, %d] and %d scales of [%d, %d] on TP rank %d/%d",
                         self.prefix, *weight.shape, scale.numel(), layer.output_size, layer.input_size,

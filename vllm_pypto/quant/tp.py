@@ -9,7 +9,7 @@ channels. Two things in the spec are defined over the whole row, not a slice:
   runs once, as at TP=1. Reducing bf16 outputs instead, as vLLM does for float layers,
   would round twice and, with per-slice scales, changed 15 of 16 greedy test outputs.
 For bf16 checkpoints quantized at load, the per-channel weight scale is also a max over
-all K: `weight_amax` all-reduces it.
+all K: quant/linear.py quantizes each checkpoint tensor whole, before vLLM slices it.
 
 The collectives run inside one opaque custom op so vLLM's torch.compile does not trace them.
 """
@@ -30,13 +30,6 @@ from ..kernels.reference import AMAX_FLOOR, activation_scale, dequant_epilogue, 
 def _group(t: torch.Tensor):
     tp = get_tp_group()
     return tp.cpu_group if t.device.type == "cpu" else tp.device_group
-
-
-def weight_amax(w: torch.Tensor) -> torch.Tensor:
-    """Per-output-channel amax of a row-parallel weight shard, over all ranks' input channels."""
-    amax = row_amax(w)
-    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=_group(amax))
-    return amax
 
 
 def _row_parallel(x: torch.Tensor, packed: list[torch.Tensor], names: str, n: int,

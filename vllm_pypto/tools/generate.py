@@ -63,6 +63,7 @@ def generate(model: str, prompts: list[str], max_tokens: int | list[int], quanti
     later_sp = SamplingParams(temperature=0.0, max_tokens=then_max_tokens, logprobs=logprobs, ignore_eos=True)
     later = [llm.generate([p], later_sp)[0] for p in then or []]
     return {"results": _results(prompts, outs), "then": _results(then or [], later), "startup_s": startup,
+            "quantization": llm.llm_engine.model_config.quantization,  # the method vLLM resolved
             "scored": score(llm, score_items) if score_items else None, "kernel_stats": kernel_stats()}
 
 
