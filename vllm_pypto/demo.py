@@ -76,9 +76,11 @@ def main(argv: list[str] | None = None) -> None:
     except (RuntimeError, TimeoutError) as e:  # the message carries the server log's tail
         print(f"\nvllm serve did not start: {e}", file=sys.stderr)
         sys.exit(1)
-    with server:
+    try:
         served_by = backend_line(server)
         r = chat_once(server.url, "qwen3-demo", a.prompt, a.max_tokens)
+    finally:
+        server.stop()
     print(f"\nserved by: {served_by}")
     print(f"prompt: {a.prompt}\nreply ({r['tokens']} tokens, random weights): {r['text']!r}")
     print(f"TTFT {r['ttft_s'] * 1000:.1f} ms   TPOT {r['tpot_s'] * 1000:.1f} ms/token")
