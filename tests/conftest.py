@@ -9,6 +9,9 @@ nothing leaks between configurations.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import time
 
 import pytest
 
@@ -118,3 +121,22 @@ def isa(request):
     assert _C.isa() == request.param
     yield request.param
     _C.set_isa("auto")
+
+
+def peak_rss_gib(cmd: list[str], env: dict | None = None) -> float:
+    """Run cmd to the end; its peak resident memory (VmRSS, sampled every 50 ms), in GiB."""
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as log:  # a file, not a pipe: a chatty child never blocks on it
+        p = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=log, text=True)
+        peak = 0
+        while p.poll() is None:
+            try:
+                with open(f"/proc/{p.pid}/status") as f:
+                    peak = max(peak, next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")))
+            except (OSError, StopIteration):
+                pass
+            time.sleep(0.05)
+        log.seek(0)
+        assert p.returncode == 0, log.read()[-3000:]
+    return peak / 2**20

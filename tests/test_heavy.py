@@ -7,6 +7,7 @@ import shutil
 import pytest
 from transformers import AutoConfig
 
+from conftest import peak_rss_gib
 from vllm_pypto.checkpoint import check_checkpoint
 from vllm_pypto.tools.make_checkpoint import make_checkpoint
 
@@ -22,25 +23,6 @@ def test_full_14b_w8a8_checkpoint_fits_in_24gib(tmp_path):
     assert counts == {"int8": 40 * 7, "float": 0}
 
 
-def _peak_rss_gib(cmd: list[str], env: dict | None = None) -> float:
-    """Run cmd; its peak VmRSS (sampled every 100 ms), in GiB."""
-    import subprocess
-    import time
-
-    p = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         text=True)
-    peak = 0
-    while p.poll() is None:
-        try:
-            with open(f"/proc/{p.pid}/status") as f:
-                peak = max(peak, next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")))
-        except (OSError, StopIteration):
-            pass
-        time.sleep(0.1)
-    assert p.returncode == 0, p.stderr.read()[-3000:]
-    return peak / 2**20
-
-
 @pytest.mark.heavy
 def test_14b_bf16_quantized_offline_and_at_load_on_24gib(tmp_path):
     """Qwen3-14B bf16 (29.5 GB on disk) on this 24 GiB machine: the offline tool and
@@ -48,14 +30,14 @@ def test_14b_bf16_quantized_offline_and_at_load_on_24gib(tmp_path):
     import sys
 
     bf16 = make_checkpoint(str(tmp_path / "qwen3-14b-bf16"), "14B", "bf16")
-    tool = _peak_rss_gib([sys.executable, "-m", "vllm_pypto.tools.quantize", bf16, str(tmp_path / "w8a8")])
+    tool = peak_rss_gib([sys.executable, "-m", "vllm_pypto.tools.quantize", bf16, str(tmp_path / "w8a8")])
     print(f"\noffline tool on 14B bf16: peak RSS {tool:.1f} GiB")
     assert tool < 8
     counts = check_checkpoint(str(tmp_path / "w8a8"), AutoConfig.from_pretrained(str(tmp_path / "w8a8")),
                               lambda m: True)
     assert counts == {"int8": 40 * 7, "float": 0}
     shutil.rmtree(tmp_path / "w8a8")  # disk: both folders and the page cache are 45 GB
-    at_load = _peak_rss_gib([sys.executable, "-m", "vllm_pypto.tools.generate", "--model", bf16, "--quantization",
+    at_load = peak_rss_gib([sys.executable, "-m", "vllm_pypto.tools.generate", "--model", bf16, "--quantization",
                              "pypto-a8w8", "--max-tokens", "2", "--enforce-eager", "--max-model-len", "512",
                              "--prompt", "The capital of France is", "--out", str(tmp_path / "g.json")],
                             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})

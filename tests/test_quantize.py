@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import noise_only, run_generate
+from conftest import noise_only, peak_rss_gib, run_generate
 from vllm_pypto.checkpoint import CheckpointError
 from vllm_pypto.tools.make_checkpoint import make_checkpoint
 from vllm_pypto.tools.quantize import quantize
@@ -106,24 +106,10 @@ def test_refusals_name_the_tensor_and_leave_no_destination(tmp_path, tiny_bf16, 
 
 
 def peak_rss_gb(model: str, out, *args: str) -> float:
-    """Peak resident memory (VmRSS, sampled every 50 ms) of an in-process engine that loads
-    `model` and generates 2 tokens."""
-    import time
-
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "vllm_pypto.tools.generate", "--model", model, "--max-tokens", "2",
-                          "--enforce-eager", "--prompt", "The capital of France is", "--out", str(out), *args], env=env, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)
-    peak = 0
-    while p.poll() is None:
-        try:
-            with open(f"/proc/{p.pid}/status") as f:
-                peak = max(peak, next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")))
-        except (OSError, StopIteration):
-            pass
-        time.sleep(0.05)
-    assert p.returncode == 0, p.stderr.read()[-3000:]
-    return peak / 2**20
+    """Peak resident memory of an in-process engine that loads `model` and generates 2 tokens."""
+    return peak_rss_gib([sys.executable, "-m", "vllm_pypto.tools.generate", "--model", model, "--max-tokens", "2",
+                         "--enforce-eager", "--prompt", "The capital of France is", "--out", str(out), *args],
+                        {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
 
 
 @pytest.mark.slow  # three engine loads of a 0.6B-shape model (~2 min)
