@@ -11,8 +11,10 @@ demo: setup
 test: setup
 	$(PY) -m pytest
 
+# two workers, each a group of files (tests/conftest.py): the slow tests mostly wait on server
+# start-ups and HTTP
 test-slow: setup
-	$(PY) -m pytest -m slow
+	$(PY) -m pytest -m slow -n 2 --dist loadgroup
 
 test-heavy: setup
 	$(PY) -m pytest -m heavy

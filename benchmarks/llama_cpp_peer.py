@@ -1,5 +1,7 @@
 """The llama.cpp peer: the same random-weight Qwen3 as a Q8_0 GGUF, timed at batch 1
-through llama-cpp-python, so serving.py --llama-cpp shows it beside our numbers.
+through llama-cpp-python, so serving.py --llama-cpp shows it beside our numbers, twice: in
+process (`measure`, no HTTP), and served by llama-cpp-python's OpenAI server (`LlamaCppServer`,
+what a user would deploy), which serving.py drives with the same `vllm bench serve` client as ours.
 
     python benchmarks/llama_cpp_peer.py --checkpoint checkpoints/qwen3-0.6B-w8a8 [--tokens 64]
 
@@ -21,9 +23,14 @@ import os
 import statistics
 import time
 
+import sys
+
 import numpy as np
 import torch
 from safetensors import safe_open
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from vllm_pypto.tools.server import VllmServer  # noqa: E402
 
 # Hugging Face name (after "model.layers.{i}.") -> GGUF name (after "blk.{i}.")
 LAYER_NAMES = {
@@ -156,15 +163,61 @@ def measure(gguf_path: str, tokens: int = 64, prompt_tokens: int = 128, threads:
             "tokens": tokens, "threads": threads, "gguf_bytes": os.path.getsize(gguf_path)}
 
 
-def peer(folder: str, tokens: int, prompt_tokens: int) -> dict:
-    """The GGUF beside the checkpoint (written once), measured."""
+def gguf_for(folder: str) -> str:
+    """The GGUF beside the checkpoint, written once."""
     path = folder.rstrip("/") + "-q8_0.gguf"
     if not os.path.exists(path):
         t0 = time.time()
         write_gguf(folder, path + ".part")
         os.replace(path + ".part", path)
         print(f"wrote {path} in {time.time() - t0:.0f}s", flush=True)
-    return measure(path, tokens, prompt_tokens)
+    return path
+
+
+def peer(folder: str, tokens: int, prompt_tokens: int) -> dict:
+    return measure(gguf_for(folder), tokens, prompt_tokens)
+
+
+class LlamaCppServer(VllmServer):
+    """`python -m llama_cpp.server` on the GGUF, started and stopped like `vllm serve`. It serves
+    one request at a time (no batching; the others wait their turn) and has no ignore_eos:
+    eog_bias() keeps the random model from stopping early, so every request decodes its
+    max_tokens as under --ignore-eos."""
+    name, health_path = "llama_cpp.server", "/v1/models"
+
+    def __init__(self, gguf_path: str, n_ctx: int, threads: int | None = None, **kw):
+        threads = threads or os.cpu_count()
+        super().__init__(gguf_path, "--model_alias", "m", "--n_ctx", str(n_ctx), "--n_threads", str(threads),
+                         "--n_threads_batch", str(threads), "--n_batch", "512", "--verbose", "False",
+                         # queue concurrent requests instead of cancelling them; and no SSE pings:
+                         # a request queued past 15 s got one first and `vllm bench serve` then saw
+                         # no data chunk in its stream (30 of 32 failed at concurrency 16)
+                         "--interrupt_requests", "False", "--disable_ping_events", "True", **kw)
+        self.threads = threads
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", LENIENT_REQUEST_IDS, "--model", self.model, "--host", "127.0.0.1",
+                "--port", str(self.port), *self.args]
+
+
+# `python -m llama_cpp.server`, except that its request-id middleware (starlette-context's
+# RequestIdPlugin) accepts any x-request-id: it answers 400 to every id that is not a UUID, and
+# `vllm bench serve` sends "<prefix><n>". Nothing else of the server changes.
+LENIENT_REQUEST_IDS = """
+import runpy, starlette_context.plugins as p
+class RequestIdPlugin(p.RequestIdPlugin):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **{**k, "validate": False})
+p.RequestIdPlugin = RequestIdPlugin
+runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
+"""
+
+
+def eog_bias(folder: str) -> dict:
+    """logit_bias that bans the end-of-generation tokens (eos and <|endoftext|>)."""
+    with open(os.path.join(folder, "config.json")) as f:
+        c = json.load(f)
+    return {"logit_bias": {str(t): -100.0 for t in {c["eos_token_id"], c["bos_token_id"]}}}
 
 
 def main() -> None:

@@ -17,3 +17,14 @@ def write(out: str, tag: str, report: dict, md: str) -> str:
     with open(stem + ".md", "w") as f:
         f.write(md + "\n")
     return stem
+
+
+def pyplot():
+    """matplotlib's pyplot drawing to files, or None where matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

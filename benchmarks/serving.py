@@ -39,6 +39,7 @@ from vllm_pypto.tools.server import VllmServer, vllm_command  # noqa: E402
 from vllm_pypto.tools.shapes import SHAPES, VOCAB  # noqa: E402
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
+LLAMA_SERVER = "llama.cpp server Q8_0"  # the row of --llama-cpp's served peer
 STATS = ("mean", "median", "p99")
 THROUGHPUT = ("request_throughput", "output_throughput", "total_token_throughput")
 
@@ -47,10 +48,17 @@ def log(msg: str, t0: float = time.time()) -> None:
     print(f"[{time.time() - t0:7.0f}s] {msg}", flush=True)
 
 
-def weight_bytes(shape: str, fmt: str) -> int:
-    """Bytes a batch-1 decode step reads: every linear (int8 or bf16) and the bf16 lm_head."""
+def weight_bytes(shape: str, fmt: str, int8_head: bool = False) -> int:
+    """Bytes a batch-1 decode step reads: every linear (int8 or bf16) and the lm_head (bf16, or
+    int8 under flag int8_lm_head; its per-row scales are left out, 0.4% of it)."""
     s = SHAPES[shape]
-    return s.linear_params() * (1 if fmt == "w8a8" else 2) + 2 * VOCAB * s.hidden
+    return s.linear_params() * (1 if fmt == "w8a8" else 2) + (1 if int8_head else 2) * VOCAB * s.hidden
+
+
+def config_bytes(shape: str, c: Config) -> int:
+    """What configuration c really reads per decode step: int8 linears for ct and pypto-a8w8
+    (a bf16 folder is quantized at load), bf16 ones for bf16; the head as int8_lm_head says."""
+    return weight_bytes(shape, "bf16" if c.method == "bf16" else "w8a8", "int8_lm_head" in c.flags)
 
 
 def resident_bytes(shape: str, fmt: str) -> int:
@@ -74,6 +82,7 @@ def checkpoint(root: str, shape: str, fmt: str) -> str:
 def summarize(raw: dict) -> dict:
     """The fields we report from one `vllm bench serve --save-result` JSON."""
     out = {"completed": raw["completed"], "failed": raw.get("failed", 0), "duration_s": raw["duration"],
+           "total_output_tokens": raw.get("total_output_tokens"),
            **{k: raw[k] for k in THROUGHPUT}}
     for m in METRICS:
         for st in STATS:
@@ -84,14 +93,15 @@ def summarize(raw: dict) -> dict:
 
 
 def bench_serve(url: str, tokenizer: str, concurrency: int, num_prompts: int, input_len: int,
-                output_len: int, workdir: str) -> dict:
+                output_len: int, workdir: str, extra_body: dict | None = None) -> dict:
     name = f"c{concurrency}.json"
     cmd = [vllm_command(), "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", "m",
            "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(input_len),
            "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
            "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", "0", "--disable-tqdm",
            "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99",
-           "--save-result", "--result-dir", workdir, "--result-filename", name]
+           "--save-result", "--result-dir", workdir, "--result-filename", name,
+           *(["--extra-body", json.dumps(extra_body)] if extra_body else [])]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
@@ -127,20 +137,37 @@ def run_config(name: str, shape: str, a: argparse.Namespace) -> dict:
     model = checkpoint(a.checkpoints, shape, c.fmt)
     args = ["--max-model-len", str(a.input_len + a.output_len + 64), "--served-model-name", "m",
             "--no-enable-prefix-caching", *c.serve_args()]
-    t0 = time.time()
-    row["runs"] = {}
-    with VllmServer(model, *args, env=c.env, startup_timeout=3600) as s, tempfile.TemporaryDirectory() as d:
-        row["startup_s"] = round(time.time() - t0, 1)
-        log(f"{shape} {name}: server up in {row['startup_s']:.0f}s")
-        bench_serve(s.url, model, 1, 1, 16, 4, d)  # warm-up: first-request compilation is not serving
-        for conc in a.concurrency:
-            n = max(a.num_prompts, conc * a.rounds)
-            res = bench_serve(s.url, model, conc, n, a.input_len, a.output_len, d)
-            row["runs"][str(conc)] = res
-            log(f"{shape} {name} concurrency {conc}: TPOT median {res['median_tpot_ms']:.1f} ms, "
-                f"TTFT median {res['median_ttft_ms']:.0f} ms, {res['output_throughput']:.1f} output tok/s")
+    drive(VllmServer(model, *args, env=c.env, startup_timeout=3600), row, model, a)
     if a.dispatches:
         row["dispatches"] = count_dispatches(model, c)
+    return row
+
+
+def drive(server: VllmServer, row: dict, tokenizer: str, a: argparse.Namespace, extra_body: dict | None = None):
+    """Start the server, run `vllm bench serve` at each concurrency into row["runs"], stop it."""
+    t0 = time.time()
+    row["runs"] = {}
+    with server as s, tempfile.TemporaryDirectory() as d:
+        row["startup_s"] = round(time.time() - t0, 1)
+        log(f"{row['shape']} {row['config']}: server up in {row['startup_s']:.0f}s")
+        bench_serve(s.url, tokenizer, 1, 1, 16, 4, d, extra_body)  # warm-up: first-request compilation is not serving
+        for conc in a.concurrency:
+            n = max(a.num_prompts, conc * a.rounds)
+            res = bench_serve(s.url, tokenizer, conc, n, a.input_len, a.output_len, d, extra_body)
+            row["runs"][str(conc)] = res
+            log(f"{row['shape']} {row['config']} concurrency {conc}: TPOT median {res['median_tpot_ms']:.1f} ms, "
+                f"TTFT median {res['median_ttft_ms']:.0f} ms, {res['output_throughput']:.1f} output tok/s")
+
+
+def llama_cpp_server_row(shape: str, a: argparse.Namespace) -> dict:
+    """llama-cpp-python's OpenAI server on the Q8_0 GGUF of the same weights, driven like ours."""
+    from llama_cpp_peer import LlamaCppServer, eog_bias, gguf_for
+
+    folder = checkpoint(a.checkpoints, shape, "w8a8")
+    row = {"config": LLAMA_SERVER, "shape": shape, "fmt": "q8_0", "peer": True}
+    server = LlamaCppServer(gguf_for(folder), a.input_len + a.output_len + 64, startup_timeout=600)
+    row["threads"] = server.threads
+    drive(server, row, folder, a, eog_bias(folder))
     return row
 
 
@@ -148,27 +175,41 @@ def run_or_record(name: str, shape: str, a: argparse.Namespace) -> dict:
     """A configuration that fails (a server that does not start, runs out of memory) is a
     row with its error, and the sweep goes on: hours of other measurements are not lost."""
     try:
-        return run_config(name, shape, a)
+        return llama_cpp_server_row(shape, a) if name == LLAMA_SERVER else run_config(name, shape, a)
     except (RuntimeError, TimeoutError, OSError) as e:
         log(f"{shape} {name}: FAILED {str(e).splitlines()[0] if str(e) else type(e).__name__}")
         return {"config": name, "shape": shape, "error": str(e)[-3000:]}
 
 
-def add_ratios(rows: list[dict], peers: list[dict], bound_ms: float | None) -> None:
-    """TPOT at batch 1 as a ratio to the bandwidth bound, to the first measured config and
-    to each peer."""
+def q8_0_bytes(shape: str) -> int:
+    """What llama.cpp reads per decode step: every linear and the head in Q8_0 (34 bytes per 32)."""
+    s = SHAPES[shape]
+    return (s.linear_params() + VOCAB * s.hidden) * 34 // 32
+
+
+def row_bytes(row: dict) -> int:
+    return q8_0_bytes(row["shape"]) if row.get("peer") else config_bytes(row["shape"], parse(row["config"]))
+
+
+def add_ratios(rows: list[dict], peers: list[dict], bw_gbs: float | None) -> None:
+    """TPOT at batch 1 as a ratio to its bandwidth bound (the bytes that configuration reads per
+    step over the DRAM read rate of this run), to the first measured config and to each peer (the
+    in-process llama.cpp and the llama.cpp server row)."""
     for p in peers:
-        if bound_ms:
-            p["bound_ms"] = bound_ms
+        if bw_gbs:
+            p["bound_ms"] = q8_0_bytes(p["shape"]) / (bw_gbs * 1e9) * 1e3
     measured = [r for r in rows if "runs" in r and "1" in r["runs"]]
     base = measured[0]["runs"]["1"]["median_tpot_ms"] if measured else None
+    ref = {p["name"]: p["tpot_ms"] for p in peers}
+    ref.update({r["config"]: r["runs"]["1"]["median_tpot_ms"] for r in measured if r.get("peer")})
     for r in measured:
         tpot = r["runs"]["1"]["median_tpot_ms"]
         r["tpot_vs_first"] = tpot / base
-        r["tpot_vs_peers"] = {p["name"]: tpot / p["tpot_ms"] for p in peers}
-        if bound_ms:
-            r["bound_ms"] = bound_ms
-            r["tpot_vs_bound"] = tpot / bound_ms
+        r["tpot_vs_peers"] = {k: tpot / v for k, v in ref.items() if k != r["config"]}
+        r["bytes_per_step"] = row_bytes(r)
+        if bw_gbs:
+            r["bound_ms"] = r["bytes_per_step"] / (bw_gbs * 1e9) * 1e3
+            r["tpot_vs_bound"] = tpot / r["bound_ms"]
 
 
 def markdown(report: dict) -> str:
@@ -199,7 +240,7 @@ def markdown(report: dict) -> str:
                     f"{m['output_throughput']:.1f} | {ratio} | {first} | {vs} | {disp} |")
         for p in sh.get("peers", []):
             bound = f"{p['tpot_ms'] / p['bound_ms']:.2f}x" if "bound_ms" in p else ""
-            lines.append(f"| {p['name']} (peer, {p['threads']} threads) | 1 | - / {p['tpot_ms']:.1f} / - | "
+            lines.append(f"| {p['name']} (peer, in process, {p['threads']} threads) | 1 | - / {p['tpot_ms']:.1f} / - | "
                          f"{p['ttft_ms']:.0f} / - | | | | {1e3 / p['tpot_ms']:.1f} | {bound} | | | |")
         lines.append("")
     return "\n".join(lines)
@@ -207,11 +248,8 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, path: str) -> bool:
     """Batch-1 TPOT per configuration and shape, beside each shape's bandwidth bound."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = report_file.pyplot()
+    if plt is None:
         return False
     shapes = report["shapes"]
     most = max(len(sh["rows"]) + len(sh.get("peers", [])) for sh in shapes)
@@ -224,9 +262,10 @@ def plot(report: dict, path: str) -> bool:
                        color=["tab:blue"] * len(rows) + ["tab:gray"] * (len(vals) - len(rows)))
         ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
         ax.set_yticks(range(len(vals)), names, fontsize=7)
-        if rows:
-            bound = rows[0]["bound_ms"]
-            ax.axvline(bound, color="tab:red", ls="--", label=f"bandwidth bound {bound:.0f} ms")
+        bounds = [r["bound_ms"] for r in rows] + [p["bound_ms"] for p in sh.get("peers", []) if "bound_ms" in p]
+        if bounds:  # each bar's own bound: the bytes that configuration reads per step
+            ax.scatter(bounds, range(len(bounds)), marker="|", s=300, color="tab:red",
+                       label="bandwidth bound of its bytes per step")
         ax.set_xlabel("batch-1 TPOT, ms (median)")
         ax.set_title(f"Qwen3-{sh['shape']} (random weights)")
         ax.invert_yaxis()
@@ -271,14 +310,12 @@ def main(argv: list[str] | None = None) -> int:
         peers = []
         if a.llama_cpp:  # the same weights as a Q8_0 GGUF; needs llama-cpp-python and gguf
             from llama_cpp_peer import peer
-            peers = [peer(checkpoint(a.checkpoints, shape, "w8a8"), a.output_len, a.input_len)]
-            log(f"{shape} llama.cpp Q8_0: TPOT median {peers[0]['tpot_ms']:.1f} ms")
+            peers = [{**peer(checkpoint(a.checkpoints, shape, "w8a8"), a.output_len, a.input_len), "shape": shape}]
+            log(f"{shape} llama.cpp Q8_0 in process: TPOT median {peers[0]['tpot_ms']:.1f} ms")
+            rows.append(run_or_record(LLAMA_SERVER, shape, a))
         bw1 = 0.0 if a.no_bandwidth else max(dram_read_gbs().values())
-        # the limit is the int8 model's: every config is measured against what A8W8 must read
-        need = weight_bytes(shape, "w8a8")
-        add_ratios(rows, peers, None if a.no_bandwidth else need / (max(bw0, bw1) * 1e9) * 1e3)
-        report["shapes"].append({"shape": shape, "dram_read_gbs": [bw0, bw1], "weight_bytes_per_token": need,
-                                 "rows": rows, "peers": peers})
+        add_ratios(rows, peers, None if a.no_bandwidth else max(bw0, bw1))
+        report["shapes"].append({"shape": shape, "dram_read_gbs": [bw0, bw1], "rows": rows, "peers": peers})
     md = markdown(report)
     stem = report_file.write(a.out, a.tag, report, md)
     plotted = not a.no_bandwidth and plot(report, stem + ".png")

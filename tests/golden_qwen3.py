@@ -6,7 +6,7 @@ no KV cache, the whole sequence is recomputed for every new token.
 Rounding points follow the spec: hidden state carried in bf16, residual adds and
 norms in fp32, Q/K norm + RoPE in fp32, attention on bf16 operands with fp32
 scores and softmax and bf16 probabilities, logits from a bf16 lm_head (as vLLM
-returns them: bf16 values widened to fp32).
+returns them: bf16 values widened to fp32), or an A8W8 one (int8_head, flag int8_lm_head).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class GoldenQwen3:
-    def __init__(self, folder: str, a8w8: bool = True, bf16_down: bool = False):
+    def __init__(self, folder: str, a8w8: bool = True, bf16_down: bool = False, int8_head: bool = False):
         with open(os.path.join(folder, "config.json")) as f:
             self.cfg = json.load(f)
         self.t = _load(folder)
@@ -63,6 +63,11 @@ class GoldenQwen3:
         self.hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         self.nh, self.nkv, self.eps = c["num_attention_heads"], c["num_key_value_heads"], c["rms_norm_eps"]
         self.head = self.t["model.embed_tokens.weight"] if c["tie_word_embeddings"] else self.t["lm_head.weight"]
+        if int8_head:  # flag int8_lm_head: the head quantized by the linears' rule
+            amax = self.head.float().abs().max(dim=1).values.clamp(min=1e-4)
+            scale = amax / 127.0
+            self.w["lm_head"] = (torch.clamp(torch.round(self.head.float() / scale[:, None]), -127, 127).to(torch.int64),
+                                 scale)
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         w, ws = self.w[name]
@@ -111,6 +116,8 @@ class GoldenQwen3:
             u = self.linear(x, f"{p}.mlp.up_proj").float()
             h = (h.float() + self.linear((torch.nn.functional.silu(g) * u).to(BF16), f"{p}.mlp.down_proj").float()).to(BF16)
         x = self.rms(h, "model.norm.weight").to(BF16)
+        if "lm_head" in self.w:
+            return self.linear(x, "lm_head").float()
         return (x.float() @ self.head.float().T).to(BF16).float()
 
     def greedy(self, prompt_ids: list[int], n: int) -> list[int]:

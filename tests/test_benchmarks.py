@@ -4,6 +4,7 @@ with real engines, servers, `vllm bench serve` and lm-eval)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -147,22 +148,55 @@ def test_quality_script_refuses_a_quantized_reference(tiny_w8a8, tmp_path):
 
 @pytest.mark.slow  # three servers and `vllm bench serve` (~3 min): make test-slow, which CI runs
 def test_serving_script_records_bench_serve_metrics(tmp_path):
+    """Ours and, where the optional peer is installed (CI installs it), llama.cpp's server driven
+    by the same client, and llama.cpp in process; each row against the bound of its own bytes."""
     out = tmp_path / "results"
-    r = run_script("serving.py", "--shapes", "tiny", "--configs", "pypto-a8w8:w8a8", "--concurrency", "1,2",
-                   "--num-prompts", "2", "--input-len", "16", "--output-len", "8",
-                   "--checkpoints", str(tmp_path / "ckpt"), "--out", str(out))
+    peer = importlib.util.find_spec("llama_cpp") is not None and importlib.util.find_spec("gguf") is not None
+    r = run_script("serving.py", "--shapes", "tiny", "--configs", "pypto-a8w8:w8a8+int8_lm_head", "--concurrency",
+                   "1,2", "--num-prompts", "2", "--input-len", "16", "--output-len", "8",
+                   "--checkpoints", str(tmp_path / "ckpt"), "--out", str(out), *(["--llama-cpp"] if peer else []))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = only_json(out)
     (sh,) = rep["shapes"]
-    (row,) = sh["rows"]
+    row, *served_peer = sh["rows"]
     assert min(sh["dram_read_gbs"]) > 0 and row["bound_ms"] > 0 and row["tpot_vs_first"] == 1.0
-    assert set(row["runs"]) == {"1", "2"}
-    for conc, m in row["runs"].items():
-        assert m["completed"] == max(2, 2 * int(conc)) and m["failed"] == 0
-        for metric in serving_metrics():
-            assert m[metric] is not None and m[metric] > 0, metric
-    assert row["tpot_vs_bound"] == pytest.approx(row["runs"]["1"]["median_tpot_ms"] / row["bound_ms"])
+    for x in [row, *served_peer]:
+        assert set(x["runs"]) == {"1", "2"}
+        for conc, m in x["runs"].items():
+            assert m["completed"] == max(2, 2 * int(conc)) and m["failed"] == 0
+            for metric in serving_metrics():
+                assert m[metric] is not None and m[metric] > 0, (x["config"], metric)
+        assert x["tpot_vs_bound"] == pytest.approx(x["runs"]["1"]["median_tpot_ms"] / x["bound_ms"])
+    from serving import q8_0_bytes, weight_bytes
+    assert row["bytes_per_step"] == weight_bytes("tiny", "w8a8", int8_head=True) < weight_bytes("tiny", "w8a8")
+    if peer:
+        (server,) = served_peer
+        assert server["config"] == "llama.cpp server Q8_0" and server["bytes_per_step"] == q8_0_bytes("tiny")
+        # every request decoded its whole --output-len: the banned end-of-generation tokens held
+        for m in server["runs"].values():
+            assert m["total_output_tokens"] >= 0.9 * 8 * m["completed"], m
+        assert set(row["tpot_vs_peers"]) == {"llama.cpp Q8_0", "llama.cpp server Q8_0"}
     assert {n.rsplit(".", 1)[1] for n in os.listdir(out)} == {"json", "md", "png"}
+
+
+@pytest.mark.slow  # one in-process engine (~1.5 min): make test-slow, which CI runs
+def test_profile_step_breaks_a_decode_step_down(tmp_path):
+    """Every part of a decode step is found (our GEMMs, the int8 head, vLLM's attention and cache
+    write, our row ops, the engine), and the parts add up to the profiled step, not more."""
+    r = run_script("profile_step.py", "--shape", "tiny", "--configs", "pypto-a8w8:w8a8+int8_lm_head",
+                   "--batches", "1,2", "--steps", "4", "--checkpoints", str(tmp_path / "ckpt"), "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = only_json(tmp_path)
+    (row,) = rep["rows"]
+    assert set(row["batches"]) == {"1", "2"}
+    for m in row["batches"].values():
+        assert m["profiled_steps"] >= 2 and m["step_ms_unprofiled"] > 0
+        assert 0.9 * m["step_ms_profiled"] <= sum(m["parts_ms"].values()) <= 1.0001 * m["step_ms_profiled"], m
+        assert all(m["parts_ms"][p] > 0 for p in ("linears", "lm_head", "attention", "small ops", "engine")), m
+        ops = {(p, name) for p, name, _ in m["top_ops_ms"]}
+        assert ("linears", "pypto_cpu::a8w8_linear_q") in ops and ("attention", "_C::cpu_attention_with_kv_cache") in ops
+        assert m["bytes"]["lm_head"] == 151936 * 256  # int8 head: one byte a weight
+    assert {n.rsplit(".", 1)[1] for n in os.listdir(tmp_path) if "profile" in n} == {"json", "md", "png"}
 
 
 def serving_metrics() -> list[str]:

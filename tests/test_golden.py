@@ -30,8 +30,9 @@ import pytest
 import torch
 
 from golden_qwen3 import GoldenQwen3
-from conftest import run_generate
+from conftest import PROMPTS, run_generate
 from vllm_pypto.kernels import native_cpu_status
+from vllm_pypto.tools.make_checkpoint import make_checkpoint
 
 DELTA = 0.5      # logits (the checkpoint's logit std is 2): two logits each off by up to 0.25
 MEAN_TOL = 0.12  # nats
@@ -133,3 +134,29 @@ def test_bf16_down_proj_flag(tiny_w8a8, out_w8a8, tmp_path):
     check(gate(GoldenQwen3(tiny_w8a8, bf16_down=True), out["results"]))
     default = [r["logprobs"][0] for r in out_w8a8["results"]]
     assert [r["logprobs"][0] for r in out["results"]] != default  # the flag really changes the computation
+
+
+@pytest.fixture(scope="module")
+def tiny_w8a8_tied(ckpt_root):
+    """The tiny model with its lm_head tied to the embedding table, as Qwen3-0.6B..4B are; the
+    table is scaled as the untied head is (logit std 2), else bf16 logits of ~100 tie by rounding."""
+    return make_checkpoint(str(ckpt_root / "tiny-w8a8-tied"), "tiny", "w8a8", seed=0, progress=False, tied=True,
+                           embed_scale=2.0 / 256 ** 0.5)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_int8_lm_head_flag(tied, tiny_w8a8, out_w8a8, request, tmp_path):
+    """lm_head as an A8W8 GEMM: the golden with the same rule for the head (per-row int8 weight,
+    per-token activation scale) passes the gate, tied heads included; the flag does change the logits."""
+    model = request.getfixturevalue("tiny_w8a8_tied") if tied else tiny_w8a8
+    n, prompts = (16, PROMPTS[:4]) if tied else (48, PROMPTS)  # the untied one as every flag: 16 and 48 tokens
+    out = run_generate(model, str(tmp_path / "flag.json"), "--quantization", "pypto-a8w8",
+                       env={"VLLM_PYPTO_FLAGS": "int8_lm_head"}, max_tokens=n, prompts=prompts)
+    golden = GoldenQwen3(model, int8_head=True)
+    for k in sorted({16, n}):
+        check(gate(golden, out["results"], k))
+    check_free_running(golden, out["results"], n)
+    if not tied:
+        assert [r["logprobs"] for r in out["results"]] != [r["logprobs"] for r in out_w8a8["results"]]
+        rep = gate(GoldenQwen3(model), out["results"])  # the bf16-head golden sees the int8 head's noise
+        assert rep["mean_dlp"] > gate(GoldenQwen3(model), out_w8a8["results"])["mean_dlp"], rep

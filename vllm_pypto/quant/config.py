@@ -2,8 +2,9 @@
 
 Two kinds of checkpoint: compressed-tensors W8A8 (int8 weight + weight_scale, taken
 over from vLLM's own compressed-tensors method when the user asks for pypto-a8w8),
-and plain bf16 Qwen3 (quantized per output channel at load). Embeddings and
-lm_head stay bf16: get_quant_method returns None for them.
+and plain bf16 Qwen3 (quantized per output channel at load). Embeddings and lm_head stay
+bf16 (get_quant_method returns None for them), unless flag int8_lm_head makes the lm_head
+one more A8W8 GEMM (quant/lm_head.py).
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from .. import flags
 from ..checkpoint import check_architecture, check_checkpoint
 from .linear import PyptoA8W8LinearMethod
+from .lm_head import PyptoA8W8LMHeadMethod
 from .scheme import W8A8Scheme
 
 NAME = "pypto-a8w8"
@@ -78,6 +81,9 @@ class PyptoA8W8Config(QuantizationConfig):
         return [f"{parent}.{s}" for s in shards] if shards else [prefix]
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        active = flags.active(getattr(get_current_vllm_config(), "additional_config", None))
+        if isinstance(layer, ParallelLMHead) and "int8_lm_head" in active:
+            return PyptoA8W8LMHeadMethod()
         if not isinstance(layer, LinearBase):
             return None  # embeddings, lm_head: bf16
         stored = {self.stored_int8(name) for name in self._unfused(prefix)}
@@ -89,8 +95,6 @@ class PyptoA8W8Config(QuantizationConfig):
             logger.info("pypto-a8w8: %s is not quantized in the checkpoint (ignore list); running it in bf16",
                         prefix)
             return UnquantizedLinearMethod()
-        vllm_config = get_current_vllm_config()
-        active = flags.active(getattr(vllm_config, "additional_config", None))
         run_bf16 = "bf16_down_proj" in active and prefix.endswith("mlp.down_proj")
         return PyptoA8W8LinearMethod(prefix, source_int8=source_int8, run_bf16=run_bf16)
 

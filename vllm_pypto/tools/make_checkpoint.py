@@ -126,12 +126,14 @@ class RandomQwen3:
 def make_checkpoint(out: str, shape_name: str = "tiny", fmt: str = "w8a8", seed: int = 0,
                     scale_dtype: str = "bfloat16", gain: float = 1.0, head_scale: float = 2.0,
                     outlier_frac: float = 0.005, norm_outlier: float = 8.0, max_shard_gb: float = 2.0, layers: int | None = None,
-                    tokenizer: bool = True, progress: bool = True) -> str:
+                    tokenizer: bool = True, progress: bool = True, tied: bool | None = None,
+                    embed_scale: float = 1.0) -> str:
     if fmt not in ("bf16", "w8a8"):
         raise ValueError(f"--format must be bf16 or w8a8, got {fmt!r}")
     shape = SHAPES[shape_name]
-    if layers is not None:
-        shape = Qwen3Shape(**{**shape.__dict__, "layers": layers})
+    overrides = {k: v for k, v in (("layers", layers), ("tied", tied)) if v is not None}
+    if overrides:
+        shape = Qwen3Shape(**{**shape.__dict__, **overrides})
     os.makedirs(out, exist_ok=True)
     rnd = RandomQwen3(shape, seed, gain, outlier_frac, norm_outlier)
     writer = ShardWriter(out, int(max_shard_gb * 2**30))
@@ -152,7 +154,8 @@ def make_checkpoint(out: str, shape_name: str = "tiny", fmt: str = "w8a8", seed:
             writer.add(f"{name}.weight", wq)
             writer.add(f"{name}.weight_scale", scale.to(sdtype).unsqueeze(1))
 
-    writer.add("model.embed_tokens.weight", rnd.embedding("model.embed_tokens.weight", 1.0))
+    # embed_scale: the table's std (a tied head's logits scale with it)
+    writer.add("model.embed_tokens.weight", rnd.embedding("model.embed_tokens.weight", embed_scale))
     for i in range(shape.layers):
         p = f"model.layers.{i}"
         writer.add(f"{p}.input_layernorm.weight", rnd.norm(f"{p}.input_layernorm.weight", h, True))

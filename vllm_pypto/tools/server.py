@@ -31,6 +31,8 @@ def vllm_command() -> str:
 
 
 class VllmServer:
+    name, health_path = "vllm serve", "/health"  # a subclass serves another OpenAI server the same way
+
     def __init__(self, model: str, *args: str, port: int | None = None, env: dict | None = None,
                  startup_timeout: float = 600.0, progress=None):
         """progress(seconds, line): called while the server starts, with each new last line of its log."""
@@ -54,9 +56,11 @@ class VllmServer:
         with open(self.log.name, errors="replace") as f:
             return "".join(f.readlines()[-n:])
 
+    def command(self) -> list[str]:
+        return [vllm_command(), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+
     def start(self) -> "VllmServer":
-        cmd = [vllm_command(), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+        self.proc = subprocess.Popen(self.command(), stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
         t0 = time.time()
         deadline, shown = t0 + self.startup_timeout, ""
@@ -65,16 +69,16 @@ class VllmServer:
                 self.progress(time.time() - t0, last)
                 shown = last
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
             if self.healthy():
                 return self
             time.sleep(1.0)
         self.stop()
-        raise TimeoutError(f"vllm serve not healthy after {self.startup_timeout:.0f}s:\n{self.log_tail()}")
+        raise TimeoutError(f"{self.name} not healthy after {self.startup_timeout:.0f}s:\n{self.log_tail()}")
 
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+            with urllib.request.urlopen(self.url + self.health_path, timeout=5) as r:
                 return r.status == 200
         except OSError:
             return False
