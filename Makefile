@@ -11,10 +11,10 @@ demo: setup
 test: setup
 	$(PY) -m pytest
 
-# two workers, each a group of files (tests/conftest.py): the slow tests mostly wait on server
-# start-ups and HTTP
+# two workers, a test file at a time each (a file's server fixtures start once): the slow tests
+# mostly wait on server start-ups and HTTP
 test-slow: setup
-	$(PY) -m pytest -m slow -n 2 --dist loadgroup
+	$(PY) -m pytest -m slow -n 2 --dist loadfile
 
 test-heavy: setup
 	$(PY) -m pytest -m heavy

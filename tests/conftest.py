@@ -141,15 +141,3 @@ def peak_rss_gib(cmd: list[str], env: dict | None = None) -> float:
         assert p.returncode == 0, log.read()[-3000:]
     return peak / 2**20
 
-
-# `make test-slow` runs on two xdist workers with --dist loadgroup: the slow files in two groups
-# of about the same length (reliability + the RSS test ~18 min, the script tests + pypto-interpret
-# ~20 min on 2 cores), one worker each, so module fixtures (servers) are never started twice.
-SLOW_GROUPS = {"test_reliability.py": "servers", "test_quantize.py": "servers"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if item.get_closest_marker("slow"):
-            item.add_marker(pytest.mark.xdist_group(SLOW_GROUPS.get(item.path.name, "scripts")))
