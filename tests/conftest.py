@@ -140,4 +140,3 @@ def peak_rss_gib(cmd: list[str], env: dict | None = None) -> float:
         log.seek(0)
         assert p.returncode == 0, log.read()[-3000:]
     return peak / 2**20
-
