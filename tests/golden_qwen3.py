@@ -1,6 +1,6 @@
 """An independent golden Qwen3 A8W8 forward, written from the spec (shared seed-notes,
 "Numerics") and sharing no code with vllm_pypto: it reads safetensors itself,
-quantizes with its own code and multiplies in int64. Slow and simple on purpose:
+quantizes with its own code and multiplies int8 values exactly (as float64). Slow and simple on purpose:
 no KV cache, the whole sequence is recomputed for every new token.
 
 Rounding points follow the spec: hidden state carried in bf16, residual adds and
@@ -52,11 +52,11 @@ class GoldenQwen3:
                 self.w[name] = ((w.float() * s.float().reshape(-1, 1)).to(BF16) if s is not None else w.to(BF16), None)
             elif w.dtype == torch.int8:
                 assert a8w8, "an int8 checkpoint only has an A8W8 golden"
-                self.w[name] = (w.to(torch.int64), self.t[f"{name}.weight_scale"].float().flatten())
+                self.w[name] = (w.to(torch.float64), self.t[f"{name}.weight_scale"].float().flatten())
             elif a8w8:
                 amax = w.float().abs().max(dim=1).values.clamp(min=1e-4)
                 scale = amax / 127.0
-                self.w[name] = (torch.clamp(torch.round(w.float() / scale[:, None]), -127, 127).to(torch.int64), scale)
+                self.w[name] = (torch.clamp(torch.round(w.float() / scale[:, None]), -127, 127).to(torch.float64), scale)
             else:
                 self.w[name] = (w.to(BF16), None)
         c = self.cfg
@@ -66,7 +66,7 @@ class GoldenQwen3:
         if int8_head:  # flag int8_lm_head: the head quantized by the linears' rule
             amax = self.head.float().abs().max(dim=1).values.clamp(min=1e-4)
             scale = amax / 127.0
-            self.w["lm_head"] = (torch.clamp(torch.round(self.head.float() / scale[:, None]), -127, 127).to(torch.int64),
+            self.w["lm_head"] = (torch.clamp(torch.round(self.head.float() / scale[:, None]), -127, 127).to(torch.float64),
                                  scale)
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -74,7 +74,9 @@ class GoldenQwen3:
         if ws is None:
             return (x.float() @ w.float().T).to(BF16)
         q, xs = quant_rows(x)
-        acc = q @ w.T  # int64: exact
+        # exact: every sum of int8 products is an integer far below 2**53; float64, because an
+        # int64 matmul has no BLAS (the 151936-row int8 head took minutes a prompt in int64)
+        acc = q.double() @ w.T  # w: int8 values held as float64
         return (acc.float() * ws[None, :] * xs[:, None]).to(BF16)
 
     def rms(self, x: torch.Tensor, name: str) -> torch.Tensor:
