@@ -92,7 +92,8 @@ def profile_one(model: str, cfg: str, batches: list[int], steps: int) -> dict:
         step_s = statistics.median((run(b, steps + 1) - run(b, 1)) / steps for _ in range(3))
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             run(b, steps + 2)
-        evs = [e for e in prof.events() if e.thread == threading_id(prof, "forward")]
+        engine_thread = threading_id(prof, "forward")  # once: it scans every event
+        evs = [e for e in prof.events() if e.thread == engine_thread]
         fwd = sorted((e for e in evs if e.name == "forward"), key=lambda e: e.time_range.start)
         heads = sorted((e for e in evs if e.name == "lm_head"), key=lambda e: e.time_range.start)
         # forward 0 is the prefill, 1 the first decode; keep whole steps between later forwards
