@@ -213,7 +213,7 @@ def add_ratios(rows: list[dict], peers: list[dict], bw_gbs: float | None) -> Non
 
 
 def markdown(report: dict) -> str:
-    lines = []
+    lines = [f"{report.get('cpu', 'CPU not recorded')}, {report.get('cpus')} CPUs, {report['date']}", ""]
     for sh in report["shapes"]:
         bw = sh["dram_read_gbs"]
         lines += [f"### {sh['shape']}: DRAM read {bw[0]:.1f} GB/s before, {bw[1]:.1f} after; "
@@ -301,7 +301,10 @@ def main(argv: list[str] | None = None) -> int:
         parse(c)  # every name is checked before the first server starts
     from linear import dram_read_gbs  # torch + our probe; imported late so --help stays fast
 
+    from vllm_pypto.kernels.select import cpu_isa_flags, cpu_model
+
     report = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": platform.node(), "cpus": os.cpu_count(),
+              "cpu": f"{cpu_model()} ({' '.join(cpu_isa_flags())})",
               "input_len": a.input_len, "output_len": a.output_len, "concurrency": a.concurrency, "shapes": []}
     for shape in a.shapes.split(","):
         bw0 = 0.0 if a.no_bandwidth else max(dram_read_gbs().values())

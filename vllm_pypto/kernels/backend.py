@@ -56,6 +56,13 @@ class A8W8Backend(ABC):
         w, ws = self.unpacked(packed)
         return tuple(torch.ops.pypto.gate_up_silu_quant_ref(q, scale, w, ws))
 
+    def qk_norm_rope_cache(self, q, k, v, positions, q_gamma, k_gamma, eps: float, cos_sin, kv_cache, slots,
+                           interior: str):
+        """Flag native_attn_prologue: rotated bf16 q [T, nq*hd]; k (normed, rotated) and v written into
+        vLLM-CPU's paged cache at `slots` (layer_ref.qk_norm_rope_cache)."""
+        return torch.ops.pypto.qk_norm_rope_cache_ref(q, k, v, positions, q_gamma, k_gamma, eps, cos_sin, kv_cache,
+                                                      slots, interior)
+
     def unpacked(self, packed: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """int8 [N,K] and fp32 [N] for the reference ops (a backend that repacks overrides every op)."""
         return packed["weight"], packed["weight_scale"]

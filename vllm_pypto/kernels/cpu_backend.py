@@ -89,5 +89,9 @@ class CpuNativeBackend(A8W8Backend):
         return tuple(torch.ops.pypto_cpu.gate_up_silu_quant(q, scale, packed["weight_packed"], packed["weight_comp"],
                                                             packed["weight_scale"]))
 
+    def qk_norm_rope_cache(self, q, k, v, positions, q_gamma, k_gamma, eps, cos_sin, kv_cache, slots, interior):
+        return torch.ops.pypto_cpu.qk_norm_rope_cache(q, k, v, positions, q_gamma, k_gamma, eps, cos_sin, kv_cache,
+                                                      slots, interior)
+
     def unpacked(self, packed):
         raise NotImplementedError("the cpu backend runs every op natively")

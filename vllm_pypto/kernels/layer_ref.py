@@ -111,3 +111,40 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_ga
     qf = _rope(qf, cos[tok][None], sin[tok][None])
     qf = qf.view(nkv, group, T, hd).permute(2, 0, 1, 3).reshape(T, nq, hd)
     return qf.to(BF16), kf.to(BF16)
+
+
+def rope_table(max_positions: int, head_dim: int, theta: float) -> torch.Tensor:
+    """fp32 [max_positions, head_dim]: each position's cos | sin (rope_cos_sin), for qk_norm_rope_cache."""
+    return torch.cat(rope_cos_sin(torch.arange(max_positions), head_dim, theta), dim=-1).contiguous()
+
+
+def qk_norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                       q_gamma: torch.Tensor, k_gamma: torch.Tensor, eps: float, cos_sin: torch.Tensor,
+                       kv_cache: torch.Tensor | None, slots: torch.Tensor | None, interior: str) -> torch.Tensor:
+    """Flag `native_attn_prologue`: q [T, nq*hd], k and v [T, nkv*hd] (bf16, the QKV GEMM's output) ->
+    bf16 q [T, nq*hd] per-head RMS-normed and rotated, with k normed and rotated the same way and v
+    written into vLLM-CPU's cache [blocks, nkv, block_size, 2*hd] at `slots` (rows past len(slots)
+    and slots < 0 are padding, not written). The numerics of qk_norm_rope, but with the rms from an
+    fp64 mean square (as rmsnorm_quant's, so that a native kernel can match exactly) and cos | sin
+    read from a rope_table."""
+    from .ascend.paging import CacheView
+
+    T, hd = q.shape[0], q_gamma.numel()
+    cs = cos_sin.index_select(0, positions.reshape(-1).long())
+    cos, sin = cs[:, None, :hd // 2], cs[:, None, hd // 2:]
+
+    def norm_rope(x: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(T, -1, hd)
+        return _rope(h.float() * _rinv(h, eps) * gamma.float(), cos, sin).to(BF16)
+
+    if kv_cache is not None and slots is not None:
+        n = min(T, slots.numel())
+        s = slots.reshape(-1)[:n].long()
+        keep = s >= 0
+        s = s[keep]
+        nb, nkv, bs, _ = kv_cache.shape
+        off = CacheView("flat", kv_cache, kv_cache, bs, nkv, hd, interior).offsets(s // bs, s % bs)
+        flat = kv_cache.view(-1)
+        flat[off[:, :, 0]] = norm_rope(k, k_gamma)[:n][keep]
+        flat[off[:, :, 1]] = v.reshape(T, nkv, hd)[:n][keep]
+    return norm_rope(q, q_gamma).reshape(T, -1)

@@ -95,6 +95,20 @@ for _name, _fn, _fake in (("rmsnorm_quant_ref", _rmsnorm_quant_ref, _rmsnorm_qua
     direct_register_custom_op(_name, _fn, fake_impl=_fake, target_lib=pypto_lib, dispatch_key="CPU")
 
 
+def _qk_norm_rope_cache_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                            q_gamma: torch.Tensor, k_gamma: torch.Tensor, eps: float, cos_sin: torch.Tensor,
+                            kv_cache: torch.Tensor | None, slots: torch.Tensor | None, interior: str) -> torch.Tensor:
+    return layer_ref.qk_norm_rope_cache(q, k, v, positions, q_gamma, k_gamma, eps, cos_sin, kv_cache, slots, interior)
+
+
+def _qk_norm_rope_cache_fake(q, k, v, positions, q_gamma, k_gamma, eps, cos_sin, kv_cache, slots, interior):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+direct_register_custom_op("qk_norm_rope_cache_ref", _qk_norm_rope_cache_ref, mutates_args=["kv_cache"],
+                          fake_impl=_qk_norm_rope_cache_fake, target_lib=pypto_lib, dispatch_key="CPU")
+
+
 def _register_native_fakes() -> None:
     """Shapes of the native CPU ops for torch.compile; they exist only where _C is built."""
     try:
@@ -118,6 +132,7 @@ def _register_native_fakes() -> None:
     torch.library.register_fake("pypto_cpu::silu_mul_quant")(lambda gate_up: list(_silu_mul_quant_fake(gate_up)))
     torch.library.register_fake("pypto_cpu::gate_up_silu_quant")(
         lambda q, scale, packed, comp, weight_scale: list(_gate_up_silu_quant_fake(q, scale, weight_scale)))
+    torch.library.register_fake("pypto_cpu::qk_norm_rope_cache")(_qk_norm_rope_cache_fake)
 
 
 _register_native_fakes()

@@ -34,7 +34,7 @@ from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index
 from .. import flags
 from ..kernels import get_backend, layer_ref
 from ..quant.linear import PyptoA8W8LinearMethod
-from . import pypto_layer
+from . import attn_prologue, pypto_layer
 
 
 def takes_int8(linear: nn.Module) -> bool:
@@ -64,6 +64,13 @@ class PyptoQwen3DecoderLayer(Qwen3DecoderLayer):
             raise ValueError(f"flag fused_qk_norm_rope implements plain RoPE only; this checkpoint's "
                              f"rope_parameters are {rope}")
         self.rope_theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 1e6)))
+        # the guardrail's broken RoPE exists in the torch path only: it keeps that path
+        self.prologue = "native_attn_prologue" in self.flags and "guardrail_broken_q_rope" not in self.flags
+        if self.prologue:
+            max_len = get_current_vllm_config().model_config.max_model_len
+            attn_prologue.check_layer(self, max_len)
+            self.register_buffer("pypto_cos_sin", attn_prologue.rope_table(max_len, self.self_attn.head_dim,
+                                                                           self.rope_theta), persistent=False)
         # PyPTO backend: whole layers on its kernels (pypto_layer.py)
         self.pypto = get_backend().runs_layers
         if self.pypto:
@@ -123,6 +130,9 @@ class PyptoQwen3DecoderLayer(Qwen3DecoderLayer):
         attn = self.self_attn
         qkv, residual = self._norm_into(self.input_layernorm, attn.qkv_proj, hidden_states, residual)
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        if self.prologue:
+            out, _ = attn.o_proj(attn_prologue.attention(self, positions, q, k, v))
+            return self._mlp(out, residual)
         q, k = self._qk_norm_rope(positions, q, k)
         out, _ = attn.o_proj(attn.attn(q, k, v))
         return self._mlp(out, residual)
