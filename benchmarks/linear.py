@@ -104,6 +104,20 @@ def on_isa(fn, isa: str):
     return run
 
 
+def onednn_prepack(w: torch.Tensor, s: torch.Tensor):
+    """vLLM-CPU's oneDNN int8 GEMM (its compressed-tensors W8A8 on CPUs without AMX) for int8
+    [N,K] w with per-channel scales s."""
+    import vllm._custom_ops as ops
+    return ops.create_onednn_scaled_mm(w.t(), s.float().reshape(-1, 1), torch.bfloat16, True, False, 32), w.shape[0]
+
+
+def onednn_linear(x: torch.Tensor, p) -> torch.Tensor:
+    """bf16 x [M,K] through onednn_prepack's handler, with vLLM's per-token dynamic quantization."""
+    import vllm._custom_ops as ops
+    q, xs, _ = ops.onednn_scaled_int8_quant(x, None, None, True)
+    return ops.onednn_scaled_mm(p[0], q, x.new_empty(x.shape[0], p[1]), xs, None, None, None)
+
+
 def methods(paths: list[str]) -> dict:
     """name -> (prepack, run, bytes per weight, isa)."""
     out = {}
@@ -121,14 +135,7 @@ def methods(paths: list[str]) -> dict:
                                lambda x, p: torch.ops._C.int8_scaled_mm_with_quant(x, p[0], p[1], None,
                                                                                      torch.bfloat16, True), 1, "")
 
-        def dnnl_prep(w, s):
-            return (ops.create_onednn_scaled_mm(w.t(), s.float().reshape(-1, 1), torch.bfloat16, True, False, 32),
-                    w.shape[0])
-
-        def dnnl_run(x, p):
-            q, xs, _ = ops.onednn_scaled_int8_quant(x, None, None, True)
-            return ops.onednn_scaled_mm(p[0], q, x.new_empty(x.shape[0], p[1]), xs, None, None, None)
-        out["vllm_dnnl"] = (dnnl_prep, dnnl_run, 1, os.environ.get("ONEDNN_MAX_CPU_ISA", ""))
+        out["vllm_dnnl"] = (onednn_prepack, onednn_linear, 1, os.environ.get("ONEDNN_MAX_CPU_ISA", ""))
     except Exception as e:  # noqa: BLE001 - a peer that cannot load is reported, not fatal
         print(f"vLLM-CPU int8 ops unavailable: {e}", file=sys.stderr)
     out["bf16"] = (lambda w, s: (w.float() * s[:, None]).to(torch.bfloat16), lambda x, p: F.linear(x, p), 2, "")

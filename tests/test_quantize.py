@@ -16,6 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import noise_only, peak_rss_gib, run_generate
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from vllm_pypto.checkpoint import CheckpointError
 from vllm_pypto.tools.make_checkpoint import make_checkpoint
 from vllm_pypto.tools.quantize import quantize
@@ -74,16 +76,14 @@ def _stock_int8_gemm_error() -> float:
     """vLLM-CPU's oneDNN int8 GEMM (its compressed-tensors W8A8 on a CPU without AMX) against
     the exact A8W8 product, as a share of the largest output. bf16 rounding alone is < 0.4%. On
     an AVX2-only EPYC (no VNNI) it measured 4-7% (docs/performance.md, 2026-12-02)."""
-    from vllm import _custom_ops as ops
+    from linear import onednn_linear, onednn_prepack  # benchmarks/linear.py's vllm_dnnl peer
 
     from vllm_pypto.kernels.reference import a8w8_linear, quantize_weight_per_channel
 
     g = torch.Generator().manual_seed(0)
     wq, ws = quantize_weight_per_channel(torch.randn(256, 1024, generator=g).to(torch.bfloat16))
     x = torch.randn(4, 1024, generator=g).to(torch.bfloat16)
-    handler = ops.create_onednn_scaled_mm(wq.t(), ws.float().reshape(-1, 1), torch.bfloat16, True, False, 32)
-    q, xs, _ = ops.onednn_scaled_int8_quant(x, None, None, True)
-    y = ops.onednn_scaled_mm(handler, q, x.new_empty(4, 256), xs, None, None, None).float()
+    y = onednn_linear(x, onednn_prepack(wq, ws)).float()
     exact = a8w8_linear(x, wq, ws).float()
     return ((y - exact).abs().max() / exact.abs().max()).item()
 
