@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -285,3 +286,25 @@ def test_baseline_makes_the_bars_relative():
     worse = [dict(per[0], violations=[{}] * 8, tf_top1=0.9)]
     reasons = quality.judge(worse, gate, base)["reasons"]
     assert len(reasons) == 2 and "allowed 7" in reasons[0] and "0.940" in reasons[1]
+
+
+@pytest.mark.slow  # three builds of the AVX2 kernels without torch (~1.5 min): make test-slow, which CI runs
+def test_gemm_ab_times_two_builds_and_refuses_changed_bits(tmp_path):
+    """benchmarks/gemm_ab.py builds the GEMM from two sources and runs them in turn. The same
+    source twice: one row per (shape, M), equal output bits. A copy whose plain-AVX2 sums are
+    doubled (vpmaddwd by 2 instead of 1): the script names the difference and exits non-zero."""
+    args = ["--isa", "avx2", "--model", "tiny", "--shapes", "qkv", "--ms", "1,5", "--rounds", "2", "--seconds", "0.05"]
+    same = run_script("gemm_ab.py", *args, "--base", os.path.join(ROOT, "csrc"), "--out", str(tmp_path / "same"))
+    assert same.returncode == 0, same.stderr[-3000:]
+    rows = only_json(tmp_path / "same")["rows"]
+    assert [(r["shape"], r["M"]) for r in rows] == [("qkv", 1), ("qkv", 5)]
+    assert all(r["same_output"] and r["A_ms"] > 0 and r["B_ms"] > 0 for r in rows)
+    changed = tmp_path / "csrc"
+    shutil.copytree(os.path.join(ROOT, "csrc"), changed)
+    inc = changed / "gemm256.inc"
+    src = inc.read_text()
+    assert src.count("_mm256_set1_epi16(1)") == 2  # the GEMM's and the peak loop's
+    inc.write_text(src.replace("_mm256_set1_epi16(1)", "_mm256_set1_epi16(2)"))
+    bad = run_script("gemm_ab.py", *args, "--base", str(changed), "--out", str(tmp_path / "bad"))
+    assert bad.returncode != 0 and "outputs differ" in bad.stderr
+    assert not any(r["same_output"] for r in only_json(tmp_path / "bad")["rows"])
