@@ -51,12 +51,12 @@ AVX512_TARGET void quantize_row(const uint16_t* xb, int64_t K, int64_t Kp, uint8
 namespace {
 
 // acc += u8 a x s8 w, through asm on named accumulators. With the intrinsic on an array of
-// accumulators GCC copied every accumulator each step (or spilled them): 0.70-0.75x of this
-// form's GOPS from DRAM at M = 64, one thread (docs/performance.md, 2026-12-02 evening).
+// accumulators GCC copied every accumulator each step (or spilled them); this form with the
+// prefetch below ran 1.23-1.54x faster on a Zen 4 EPYC (docs/performance.md, gemm_ab.py).
 #define A8W8_DPBUSD(acc, a, w) asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(w))
 
-// M = 1 prefetches all four lines of the group 32 groups (8 KB) ahead, as the 256-bit GEMV does:
-// on a Zen 4 EPYC it streamed 1.2-1.4x faster than one line 2 KB ahead.
+// M = 1 prefetches all four lines of the group 32 groups (8 KB) ahead, as the 256-bit GEMV does
+// (where an A/B of prefetch distances chose it); before, one line 2 KB ahead.
 constexpr int PF_GROUPS = 32;
 
 // One 64-channel tile for R <= MR rows: 4 x R int32 accumulators, weights read once per block.
