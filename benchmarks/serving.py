@@ -12,6 +12,9 @@ operator dispatches per batch-1 decode step (vllm_pypto.tools.dispatches). --lla
 adds llama.cpp Q8_0 on the same weights (benchmarks/llama_cpp_peer.py) as a peer. Each batch-1
 TPOT is also given as a ratio to the bandwidth bound (weight bytes a decode step reads /
 DRAM read GB/s, probed before and after the shape's runs) and to the first configuration.
+Output tokens/s at every concurrency is given as a multiple of concurrency 1's and, for int8
+configs, beside the most any int8 implementation could serve here (throughput_limit: the
+bandwidth and this CPU's int8 peak, measured in the same run).
 Writes results/<date>-<machine>-serving.{json,md,png}.
 
 Configs follow benchmarks/configs.py; --flag-combos adds pypto-a8w8 with each offered flag
@@ -191,10 +194,33 @@ def row_bytes(row: dict) -> int:
     return q8_0_bytes(row["shape"]) if row.get("peer") else config_bytes(row["shape"], parse(row["config"]))
 
 
-def add_ratios(rows: list[dict], peers: list[dict], bw_gbs: float | None) -> None:
+def throughput_limit(shape: str, bytes_per_step: int, conc: int, input_len: int, output_len: int,
+                     bw_gbs: float, peak_gops: float) -> float:
+    """Output tokens/s that no int8 implementation can beat on this machine for this workload
+    with `conc` requests in flight. A forward pass reads the weights once and yields at most
+    `conc` output tokens: conc x bandwidth / bytes. And every multiply-add runs at most at the
+    int8 peak: each prompt token and each output token but the last go through every linear,
+    each output token through the head (attention left out, so the true limit is lower)."""
+    s = SHAPES[shape]
+    macs = (input_len + output_len - 1) * s.linear_params() + output_len * VOCAB * s.hidden
+    by_memory = conc * bw_gbs * 1e9 / bytes_per_step
+    by_compute = peak_gops * 1e9 / (2 * macs / output_len)
+    return min(by_memory, by_compute)
+
+
+def int8_peak() -> float | None:
+    """This CPU's int8 multiply-add peak from registers, its best ISA path's (None: no native build)."""
+    from linear import int8_peak_gops, isa_paths
+    return max(int8_peak_gops(isa_paths(None)).values(), default=None)
+
+
+def add_ratios(rows: list[dict], peers: list[dict], bw_gbs: float | None, peak_gops: float | None = None,
+               input_len: int = 128, output_len: int = 64) -> None:
     """TPOT at batch 1 as a ratio to its bandwidth bound (the bytes that configuration reads per
     step over the DRAM read rate of this run), to the first measured config and to each peer (the
-    in-process llama.cpp and the llama.cpp server row)."""
+    in-process llama.cpp and the llama.cpp server row). At every concurrency, output tokens/s as
+    a multiple of the same config's at concurrency 1 and, for int8 configs (where the int8 peak
+    of this run applies), beside throughput_limit."""
     for p in peers:
         if bw_gbs:
             p["bound_ms"] = q8_0_bytes(p["shape"]) / (bw_gbs * 1e9) * 1e3
@@ -210,22 +236,29 @@ def add_ratios(rows: list[dict], peers: list[dict], bw_gbs: float | None) -> Non
         if bw_gbs:
             r["bound_ms"] = r["bytes_per_step"] / (bw_gbs * 1e9) * 1e3
             r["tpot_vs_bound"] = tpot / r["bound_ms"]
+        for conc, m in r["runs"].items():
+            m["tok_s_vs_conc1"] = m["output_throughput"] / r["runs"]["1"]["output_throughput"]
+            int8 = r.get("peer") or parse(r["config"]).method != "bf16"  # llama.cpp's Q8_0 dots are int8 too
+            if bw_gbs and peak_gops and int8:
+                m["tok_s_limit"] = throughput_limit(r["shape"], r["bytes_per_step"], int(conc), input_len,
+                                                    output_len, bw_gbs, peak_gops)
 
 
 def markdown(report: dict) -> str:
     lines = [f"{report.get('cpu', 'CPU not recorded')}, {report.get('cpus')} CPUs, {report['date']}", ""]
     for sh in report["shapes"]:
         bw = sh["dram_read_gbs"]
-        lines += [f"### {sh['shape']}: DRAM read {bw[0]:.1f} GB/s before, {bw[1]:.1f} after; "
+        peak = f"; int8 peak {sh['int8_peak_gops']:.0f} GOPS" if sh.get("int8_peak_gops") else ""
+        lines += [f"### {sh['shape']}: DRAM read {bw[0]:.1f} GB/s before, {bw[1]:.1f} after{peak}; "
                   f"input {report['input_len']} / output {report['output_len']} tokens", "",
                   "| config | conc. | TPOT ms (mean / median / p99) | TTFT ms (median / p99) | ITL ms (median) "
-                  "| E2EL s (median) | req/s | output tok/s | TPOT / bound | TPOT vs first | TPOT vs peers "
-                  "| dispatches/step |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| E2EL s (median) | req/s | output tok/s | tok/s vs conc. 1 | tok/s limit | TPOT / bound "
+                  "| TPOT vs first | TPOT vs peers | dispatches/step |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in sh["rows"]:
             if "skipped" in r or "error" in r:
                 why = f"skipped: {r['skipped']}" if "skipped" in r else "failed: " + r["error"].splitlines()[0][:120]
-                lines.append(f"| {r['config']} | - | {why} | | | | | | | | | |")
+                lines.append(f"| {r['config']} | - | {why} |" + " |" * 11)
                 continue
             for conc, m in r["runs"].items():
                 b1 = conc == "1" and "tpot_vs_bound" in r
@@ -233,15 +266,17 @@ def markdown(report: dict) -> str:
                 first = f"{r['tpot_vs_first']:.2f}x" if conc == "1" and "tpot_vs_first" in r else ""
                 vs = ", ".join(f"{v:.2f}x {k}" for k, v in r.get("tpot_vs_peers", {}).items()) if conc == "1" else ""
                 disp = r.get("dispatches", {}).get("per_step", "") if conc == "1" else ""
+                gain = f"{m['tok_s_vs_conc1']:.2f}x" if "tok_s_vs_conc1" in m and conc != "1" else ""
+                lim = f"{m['tok_s_limit']:.1f}" if "tok_s_limit" in m else ""
                 lines.append(
                     f"| {r['config']} | {conc} | {m['mean_tpot_ms']:.1f} / {m['median_tpot_ms']:.1f} / "
                     f"{m['p99_tpot_ms']:.1f} | {m['median_ttft_ms']:.0f} / {m['p99_ttft_ms']:.0f} | "
                     f"{m['median_itl_ms']:.1f} | {m['median_e2el_ms'] / 1e3:.2f} | {m['request_throughput']:.2f} | "
-                    f"{m['output_throughput']:.1f} | {ratio} | {first} | {vs} | {disp} |")
+                    f"{m['output_throughput']:.1f} | {gain} | {lim} | {ratio} | {first} | {vs} | {disp} |")
         for p in sh.get("peers", []):
             bound = f"{p['tpot_ms'] / p['bound_ms']:.2f}x" if "bound_ms" in p else ""
             lines.append(f"| {p['name']} (peer, in process, {p['threads']} threads) | 1 | - / {p['tpot_ms']:.1f} / - | "
-                         f"{p['ttft_ms']:.0f} / - | | | | {1e3 / p['tpot_ms']:.1f} | {bound} | | | |")
+                         f"{p['ttft_ms']:.0f} / - | | | | {1e3 / p['tpot_ms']:.1f} | | | {bound} | | | |")
         lines.append("")
     return "\n".join(lines)
 
@@ -308,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
               "input_len": a.input_len, "output_len": a.output_len, "concurrency": a.concurrency, "shapes": []}
     for shape in a.shapes.split(","):
         bw0 = 0.0 if a.no_bandwidth else max(dram_read_gbs().values())
-        log(f"{shape}: DRAM read {bw0:.1f} GB/s")
+        peak0 = None if a.no_bandwidth else int8_peak()
+        log(f"{shape}: DRAM read {bw0:.1f} GB/s, int8 peak {peak0 or 0:.0f} GOPS")
         rows = [run_or_record(c, shape, a) for c in configs]
         peers = []
         if a.llama_cpp:  # the same weights as a Q8_0 GGUF; needs llama-cpp-python and gguf
@@ -317,8 +353,12 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{shape} llama.cpp Q8_0 in process: TPOT median {peers[0]['tpot_ms']:.1f} ms")
             rows.append(run_or_record(LLAMA_SERVER, shape, a))
         bw1 = 0.0 if a.no_bandwidth else max(dram_read_gbs().values())
-        add_ratios(rows, peers, None if a.no_bandwidth else max(bw0, bw1))
-        report["shapes"].append({"shape": shape, "dram_read_gbs": [bw0, bw1], "rows": rows, "peers": peers})
+        # a peak probe that shares the CPUs with anything reads low: the better of the two is the limit
+        peaks = [] if a.no_bandwidth else [peak0 or 0.0, int8_peak() or 0.0]
+        peak = max(peaks, default=0.0) or None
+        add_ratios(rows, peers, None if a.no_bandwidth else max(bw0, bw1), peak, a.input_len, a.output_len)
+        report["shapes"].append({"shape": shape, "dram_read_gbs": [bw0, bw1], "int8_peak_gops": peak,
+                                 "int8_peak_probes": peaks, "rows": rows, "peers": peers})
     md = markdown(report)
     stem = report_file.write(a.out, a.tag, report, md)
     plotted = not a.no_bandwidth and plot(report, stem + ".png")

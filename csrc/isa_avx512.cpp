@@ -1,5 +1,5 @@
 // The AVX512-VNNI path: vpdpbusd (u8 x s8 -> s32) over 16 channels a register, 64-channel
-// weight tiles streamed once per block of up to 4 rows, and 16-lane row ops.
+// weight tiles streamed once per block of up to 6 rows, and 16-lane row ops.
 
 
 #include <algorithm>
@@ -11,7 +11,9 @@
 namespace a8w8::avx512 {
 
 namespace {
-constexpr int64_t MR = 4;  // token rows per register block
+// token rows per register block: 24 accumulators + 4 weights + 1 activation of the 32 zmm; against
+// 4 rows, M = 16 ran 1.11-1.21x faster on a Zen 4 EPYC (three weight passes from L2, not four).
+constexpr int64_t MR = 6;
 }
 
 int64_t rows_held(int64_t M) { return M; }
@@ -62,10 +64,11 @@ constexpr int PF_GROUPS = 32;
 // One 64-channel tile for R <= MR rows: 4 x R int32 accumulators, weights read once per block.
 template <int R, bool I32>
 AVX512_TARGET void tile_kernel(const Gemm& g, const int8_t* wt, int64_t r0, int64_t n0) {
-  static_assert(R >= 1 && R <= 4);
+  static_assert(R >= 1 && R <= MR);
   const __m512i z = _mm512_setzero_si512();
   __m512i c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z;
   __m512i c20 = z, c21 = z, c22 = z, c23 = z, c30 = z, c31 = z, c32 = z, c33 = z;
+  __m512i c40 = z, c41 = z, c42 = z, c43 = z, c50 = z, c51 = z, c52 = z, c53 = z;
   const int64_t Kp = g.Kp;
   const uint8_t* act = g.a + r0 * Kp;
   for (int64_t gi = 0; gi < Kp / 4; ++gi) {
@@ -89,9 +92,12 @@ AVX512_TARGET void tile_kernel(const Gemm& g, const int8_t* wt, int64_t r0, int6
     if constexpr (R > 1) A8W8_ROW(1)
     if constexpr (R > 2) A8W8_ROW(2)
     if constexpr (R > 3) A8W8_ROW(3)
+    if constexpr (R > 4) A8W8_ROW(4)
+    if constexpr (R > 5) A8W8_ROW(5)
 #undef A8W8_ROW
   }
-  const __m512i acc[4][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23}, {c30, c31, c32, c33}};
+  const __m512i acc[MR][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23},
+                              {c30, c31, c32, c33}, {c40, c41, c42, c43}, {c50, c51, c52, c53}};
   for (int c = 0; c < 4; ++c) {
     const int64_t n = n0 + 16 * c;
     if (n >= g.N) break;
@@ -109,6 +115,8 @@ void tiles(const Gemm& g, int64_t tb, int64_t te) {
     const int8_t* wt = g.w + t * g.tile_bytes();
     for (int64_t r = 0; r < g.M; r += MR) {
       switch (std::min<int64_t>(MR, g.M - r)) {
+        case 6: tile_kernel<6, I32>(g, wt, r, t * NT); break;
+        case 5: tile_kernel<5, I32>(g, wt, r, t * NT); break;
         case 4: tile_kernel<4, I32>(g, wt, r, t * NT); break;
         case 3: tile_kernel<3, I32>(g, wt, r, t * NT); break;
         case 2: tile_kernel<2, I32>(g, wt, r, t * NT); break;
