@@ -208,10 +208,10 @@ def throughput_limit(shape: str, bytes_per_step: int, conc: int, input_len: int,
     return min(by_memory, by_compute)
 
 
-def int8_peak() -> float | None:
-    """This CPU's int8 multiply-add peak from registers, its best ISA path's (None: no native build)."""
+def int8_peak() -> float:
+    """This CPU's int8 multiply-add peak from registers, its best ISA path's (0: no native build)."""
     from linear import int8_peak_gops, isa_paths
-    return max(int8_peak_gops(isa_paths(None)).values(), default=None)
+    return max(int8_peak_gops(isa_paths(None)).values(), default=0.0)
 
 
 def add_ratios(rows: list[dict], peers: list[dict], bw_gbs: float | None, peak_gops: float | None = None,
@@ -236,9 +236,9 @@ def add_ratios(rows: list[dict], peers: list[dict], bw_gbs: float | None, peak_g
         if bw_gbs:
             r["bound_ms"] = r["bytes_per_step"] / (bw_gbs * 1e9) * 1e3
             r["tpot_vs_bound"] = tpot / r["bound_ms"]
+        int8 = r.get("peer") or parse(r["config"]).method != "bf16"  # llama.cpp's Q8_0 dots are int8 too
         for conc, m in r["runs"].items():
             m["tok_s_vs_conc1"] = m["output_throughput"] / r["runs"]["1"]["output_throughput"]
-            int8 = r.get("peer") or parse(r["config"]).method != "bf16"  # llama.cpp's Q8_0 dots are int8 too
             if bw_gbs and peak_gops and int8:
                 m["tok_s_limit"] = throughput_limit(r["shape"], r["bytes_per_step"], int(conc), input_len,
                                                     output_len, bw_gbs, peak_gops)
@@ -343,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
               "input_len": a.input_len, "output_len": a.output_len, "concurrency": a.concurrency, "shapes": []}
     for shape in a.shapes.split(","):
         bw0 = 0.0 if a.no_bandwidth else max(dram_read_gbs().values())
-        peak0 = None if a.no_bandwidth else int8_peak()
-        log(f"{shape}: DRAM read {bw0:.1f} GB/s, int8 peak {peak0 or 0:.0f} GOPS")
+        peak0 = 0.0 if a.no_bandwidth else int8_peak()
+        log(f"{shape}: DRAM read {bw0:.1f} GB/s, int8 peak {peak0:.0f} GOPS")
         rows = [run_or_record(c, shape, a) for c in configs]
         peers = []
         if a.llama_cpp:  # the same weights as a Q8_0 GGUF; needs llama-cpp-python and gguf
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(run_or_record(LLAMA_SERVER, shape, a))
         bw1 = 0.0 if a.no_bandwidth else max(dram_read_gbs().values())
         # a peak probe that shares the CPUs with anything reads low: the better of the two is the limit
-        peaks = [] if a.no_bandwidth else [peak0 or 0.0, int8_peak() or 0.0]
+        peaks = [] if a.no_bandwidth else [peak0, int8_peak()]
         peak = max(peaks, default=0.0) or None
         add_ratios(rows, peers, None if a.no_bandwidth else max(bw0, bw1), peak, a.input_len, a.output_len)
         report["shapes"].append({"shape": shape, "dram_read_gbs": [bw0, bw1], "int8_peak_gops": peak,
