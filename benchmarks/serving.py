@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import report as report_file  # noqa: E402  (benchmarks/report.py)
-from configs import Config, flag_combinations, parse  # noqa: E402  (benchmarks/configs.py)
+from configs import ISAS, Config, flag_combinations, parse  # noqa: E402  (benchmarks/configs.py)
 from vllm_pypto.tools.make_checkpoint import make_checkpoint  # noqa: E402
 from vllm_pypto.tools.server import VllmServer, vllm_command  # noqa: E402
 from vllm_pypto.tools.shapes import SHAPES, VOCAB  # noqa: E402
@@ -208,19 +208,37 @@ def throughput_limit(shape: str, bytes_per_step: int, conc: int, input_len: int,
     return min(by_memory, by_compute)
 
 
-def int8_peak() -> float:
-    """This CPU's int8 multiply-add peak from registers, its best ISA path's (0: no native build)."""
+def prefill_floor_ms(shape: str, input_len: int, peak_gops: float) -> float:
+    """The shortest prefill of one `input_len`-token prompt any int8 implementation could run at
+    `peak_gops`: every prompt token through every linear, the last one through the head
+    (attention, norms and serving left out, so the true floor is higher). A TTFT target below
+    it cannot be met on that ISA path."""
+    s = SHAPES[shape]
+    return 2 * (input_len * s.linear_params() + VOCAB * s.hidden) / (peak_gops * 1e9) * 1e3
+
+
+def int8_peaks() -> dict[str, float]:
+    """This CPU's int8 multiply-add peak from registers on each ISA path, best path first ({}: no
+    native build)."""
     from linear import int8_peak_gops, isa_paths
-    return max(int8_peak_gops(isa_paths(None)).values(), default=0.0)
+    return int8_peak_gops(isa_paths(None))
 
 
-def add_ratios(rows: list[dict], peers: list[dict], bw_gbs: float | None, peak_gops: float | None = None,
+def row_peak(row: dict, peaks: dict[str, float]) -> float | None:
+    """The int8 peak of the ISA path a row's GEMMs can use at best: the path its config forces
+    (+avx2 ...), else this CPU's best, which vLLM-CPU's oneDNN and llama.cpp also pick."""
+    forced = [] if row.get("peer") else [m for m in parse(row["config"]).mods if m in ISAS]
+    return peaks.get(forced[0]) if forced else next(iter(peaks.values()), None)
+
+
+def add_ratios(rows: list[dict], peers: list[dict], bw_gbs: float | None, peaks: dict[str, float] | None = None,
                input_len: int = 128, output_len: int = 64) -> None:
     """TPOT at batch 1 as a ratio to its bandwidth bound (the bytes that configuration reads per
     step over the DRAM read rate of this run), to the first measured config and to each peer (the
     in-process llama.cpp and the llama.cpp server row). At every concurrency, output tokens/s as
     a multiple of the same config's at concurrency 1 and, for int8 configs (where the int8 peak
-    of this run applies), beside throughput_limit."""
+    of this run applies, per ISA path: `peaks`), beside throughput_limit; their TTFT beside
+    prefill_floor_ms."""
     for p in peers:
         if bw_gbs:
             p["bound_ms"] = q8_0_bytes(p["shape"]) / (bw_gbs * 1e9) * 1e3
@@ -237,11 +255,15 @@ def add_ratios(rows: list[dict], peers: list[dict], bw_gbs: float | None, peak_g
             r["bound_ms"] = r["bytes_per_step"] / (bw_gbs * 1e9) * 1e3
             r["tpot_vs_bound"] = tpot / r["bound_ms"]
         int8 = r.get("peer") or parse(r["config"]).method != "bf16"  # llama.cpp's Q8_0 dots are int8 too
+        peak = row_peak(r, peaks or {}) if int8 else None
+        if peak:
+            r["int8_peak_gops"] = peak
+            r["ttft_floor_ms"] = prefill_floor_ms(r["shape"], input_len, peak)
         for conc, m in r["runs"].items():
             m["tok_s_vs_conc1"] = m["output_throughput"] / r["runs"]["1"]["output_throughput"]
-            if bw_gbs and peak_gops and int8:
+            if bw_gbs and peak:
                 m["tok_s_limit"] = throughput_limit(r["shape"], r["bytes_per_step"], int(conc), input_len,
-                                                    output_len, bw_gbs, peak_gops)
+                                                    output_len, bw_gbs, peak)
 
 
 def markdown(report: dict) -> str:
@@ -251,14 +273,14 @@ def markdown(report: dict) -> str:
         peak = f"; int8 peak {sh['int8_peak_gops']:.0f} GOPS" if sh.get("int8_peak_gops") else ""
         lines += [f"### {sh['shape']}: DRAM read {bw[0]:.1f} GB/s before, {bw[1]:.1f} after{peak}; "
                   f"input {report['input_len']} / output {report['output_len']} tokens", "",
-                  "| config | conc. | TPOT ms (mean / median / p99) | TTFT ms (median / p99) | ITL ms (median) "
-                  "| E2EL s (median) | req/s | output tok/s | tok/s vs conc. 1 | tok/s limit | TPOT / bound "
-                  "| TPOT vs first | TPOT vs peers | dispatches/step |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| config | conc. | TPOT ms (mean / median / p99) | TTFT ms (median / p99) | TTFT floor ms "
+                  "| ITL ms (median) | E2EL s (median) | req/s | output tok/s | tok/s vs conc. 1 | tok/s limit "
+                  "| TPOT / bound | TPOT vs first | TPOT vs peers | dispatches/step |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in sh["rows"]:
             if "skipped" in r or "error" in r:
                 why = f"skipped: {r['skipped']}" if "skipped" in r else "failed: " + r["error"].splitlines()[0][:120]
-                lines.append(f"| {r['config']} | - | {why} |" + " |" * 11)
+                lines.append(f"| {r['config']} | - | {why} |" + " |" * 12)
                 continue
             for conc, m in r["runs"].items():
                 b1 = conc == "1" and "tpot_vs_bound" in r
@@ -268,15 +290,16 @@ def markdown(report: dict) -> str:
                 disp = r.get("dispatches", {}).get("per_step", "") if conc == "1" else ""
                 gain = f"{m['tok_s_vs_conc1']:.2f}x" if "tok_s_vs_conc1" in m and conc != "1" else ""
                 lim = f"{m['tok_s_limit']:.1f}" if "tok_s_limit" in m else ""
+                floor = f"{r['ttft_floor_ms']:.0f}" if conc == "1" and "ttft_floor_ms" in r else ""
                 lines.append(
                     f"| {r['config']} | {conc} | {m['mean_tpot_ms']:.1f} / {m['median_tpot_ms']:.1f} / "
-                    f"{m['p99_tpot_ms']:.1f} | {m['median_ttft_ms']:.0f} / {m['p99_ttft_ms']:.0f} | "
+                    f"{m['p99_tpot_ms']:.1f} | {m['median_ttft_ms']:.0f} / {m['p99_ttft_ms']:.0f} | {floor} | "
                     f"{m['median_itl_ms']:.1f} | {m['median_e2el_ms'] / 1e3:.2f} | {m['request_throughput']:.2f} | "
                     f"{m['output_throughput']:.1f} | {gain} | {lim} | {ratio} | {first} | {vs} | {disp} |")
         for p in sh.get("peers", []):
             bound = f"{p['tpot_ms'] / p['bound_ms']:.2f}x" if "bound_ms" in p else ""
             lines.append(f"| {p['name']} (peer, in process, {p['threads']} threads) | 1 | - / {p['tpot_ms']:.1f} / - | "
-                         f"{p['ttft_ms']:.0f} / - | | | | {1e3 / p['tpot_ms']:.1f} | | | {bound} | | | |")
+                         f"{p['ttft_ms']:.0f} / - | | | | | {1e3 / p['tpot_ms']:.1f} | | | {bound} | | | |")
         lines.append("")
     return "\n".join(lines)
 
@@ -343,8 +366,8 @@ def main(argv: list[str] | None = None) -> int:
               "input_len": a.input_len, "output_len": a.output_len, "concurrency": a.concurrency, "shapes": []}
     for shape in a.shapes.split(","):
         bw0 = 0.0 if a.no_bandwidth else max(dram_read_gbs().values())
-        peak0 = 0.0 if a.no_bandwidth else int8_peak()
-        log(f"{shape}: DRAM read {bw0:.1f} GB/s, int8 peak {peak0:.0f} GOPS")
+        peaks0 = {} if a.no_bandwidth else int8_peaks()
+        log(f"{shape}: DRAM read {bw0:.1f} GB/s, int8 peak GOPS {', '.join(f'{k} {v:.0f}' for k, v in peaks0.items())}")
         rows = [run_or_record(c, shape, a) for c in configs]
         peers = []
         if a.llama_cpp:  # the same weights as a Q8_0 GGUF; needs llama-cpp-python and gguf
@@ -354,11 +377,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(run_or_record(LLAMA_SERVER, shape, a))
         bw1 = 0.0 if a.no_bandwidth else max(dram_read_gbs().values())
         # a peak probe that shares the CPUs with anything reads low: the better of the two is the limit
-        peaks = [] if a.no_bandwidth else [peak0, int8_peak()]
-        peak = max(peaks, default=0.0) or None
-        add_ratios(rows, peers, None if a.no_bandwidth else max(bw0, bw1), peak, a.input_len, a.output_len)
-        report["shapes"].append({"shape": shape, "dram_read_gbs": [bw0, bw1], "int8_peak_gops": peak,
-                                 "int8_peak_probes": peaks, "rows": rows, "peers": peers})
+        probes = [] if a.no_bandwidth else [peaks0, int8_peaks()]
+        peaks = {k: max(p[k] for p in probes) for k in peaks0}
+        add_ratios(rows, peers, None if a.no_bandwidth else max(bw0, bw1), peaks, a.input_len, a.output_len)
+        report["shapes"].append({"shape": shape, "dram_read_gbs": [bw0, bw1],
+                                 "int8_peak_gops": max(peaks.values(), default=0.0) or None,
+                                 "int8_peak_gops_by_path": peaks, "int8_peak_probes": probes, "rows": rows,
+                                 "peers": peers})
     md = markdown(report)
     stem = report_file.write(a.out, a.tag, report, md)
     plotted = not a.no_bandwidth and plot(report, stem + ".png")

@@ -159,6 +159,21 @@ def test_serving_throughput_limit_is_the_slower_of_memory_and_compute():
     assert throughput_limit("1.7B", nbytes, 16, 128, 64, 1e6, 783.0) < 90
 
 
+def test_serving_prefill_floor_uses_the_peak_of_the_rows_isa_path():
+    from serving import VOCAB, SHAPES, prefill_floor_ms, row_peak
+    s = SHAPES["0.6B"]
+    # 128 prompt tokens through every linear, the last through the head: 113 G int8 ops
+    ops = 2 * (128 * s.linear_params() + VOCAB * s.hidden)
+    assert prefill_floor_ms("0.6B", 128, 262.0) == pytest.approx(ops / 262e9 * 1e3)
+    assert 400 < prefill_floor_ms("0.6B", 128, 262.0) < 450  # AVX2 at 262 GOPS: over 296 ms x 1.1
+    peaks = {"avx512": 900.0, "avx2": 262.0}  # best path first, as linear.isa_paths lists them
+    assert row_peak({"config": "pypto-a8w8:w8a8+avx2+int8_lm_head"}, peaks) == 262.0
+    assert row_peak({"config": "pypto-a8w8:w8a8"}, peaks) == 900.0
+    assert row_peak({"config": "ct"}, peaks) == 900.0  # oneDNN picks the CPU's best
+    assert row_peak({"config": "llama.cpp-server", "peer": True}, peaks) == 900.0
+    assert row_peak({"config": "pypto-a8w8:w8a8"}, {}) is None  # no native build: no floor
+
+
 # ---- the scripts end to end on the tiny checkpoint -----------------------------------------
 
 def test_quality_script_passes_the_default_and_fails_the_guardrail(tiny_bf16, tmp_path):
