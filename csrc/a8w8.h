@@ -19,6 +19,9 @@
 // any x86-64 CPU; isa.cpp selects a path by what the CPU reports.
 #pragma once
 
+#include <xmmintrin.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -44,6 +47,31 @@ struct Gemm {
   bool i32;
   int64_t tile_bytes() const { return Kp / 4 * 256; }
 };
+
+// A GEMM with several blocks of rows reads each weight tile once per block: the first block from
+// DRAM, the later ones from L2. So each block prefetches a share of the next tile into L2 while it
+// computes, and the next tile's first block does not wait on DRAM (docs/performance.md,
+// 2026-12-03 afternoon). step() runs once per K group of the block's loop.
+struct TilePrefetch {
+  const int8_t* p = nullptr;
+  const int8_t* end = nullptr;
+  int per_group = 0;
+  void step() {
+    if (p < end)
+      for (int l = 0; l < per_group; ++l, p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+  }
+};
+
+// Share `part` of `parts` of the tile after `wt` (none past the thread's last tile), spread over
+// the block's K groups at up to 4 lines a group.
+inline TilePrefetch next_tile_share(const Gemm& g, const int8_t* wt, bool has_next, int64_t part, int64_t parts) {
+  if (!has_next) return {};
+  const int64_t tile = g.tile_bytes(), groups = g.Kp / 4, share = (tile / parts + 63) / 64 * 64;
+  const int8_t* p = wt + tile + part * share;
+  const int8_t* end = std::min(p + share, wt + 2 * tile);
+  if (p >= end) return {};
+  return {p, end, static_cast<int>(std::min<int64_t>(4, (share / 64 + groups - 1) / groups))};
+}
 
 // The kernels of one ISA path. Row ops work on bf16 as raw uint16 bits.
 struct Kernels {

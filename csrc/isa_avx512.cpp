@@ -61,12 +61,10 @@ namespace {
 // (where an A/B of prefetch distances chose it); before, one line 2 KB ahead.
 constexpr int PF_GROUPS = 32;
 
-// One 64-channel tile for R <= MR rows: 4 x R int32 accumulators, weights read once per block.
-// R > 1: `pf` are lines of the next tile to prefetch into L2, `pf_per_group` of them each group
-// until `pf_end` (none when the tile has one block: M <= 6 streams at M = 1's rate without).
+// One 64-channel tile for R <= MR rows: 4 x R int32 accumulators, weights read once per block;
+// R > 1 prefetches `pf`, its share of the next tile (a8w8.h).
 template <int R, bool I32>
-AVX512_TARGET void tile_kernel(const Gemm& g, const int8_t* wt, int64_t r0, int64_t n0, const int8_t* pf,
-                               const int8_t* pf_end, int pf_per_group) {
+AVX512_TARGET void tile_kernel(const Gemm& g, const int8_t* wt, int64_t r0, int64_t n0, TilePrefetch pf) {
   static_assert(R >= 1 && R <= MR);
   const __m512i z = _mm512_setzero_si512();
   __m512i c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z;
@@ -78,8 +76,8 @@ AVX512_TARGET void tile_kernel(const Gemm& g, const int8_t* wt, int64_t r0, int6
     const int8_t* w = wt + gi * 256;
     if constexpr (R == 1)
       for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(w + 256 * PF_GROUPS + 64 * l), _MM_HINT_T0);
-    else if (pf < pf_end)
-      for (int l = 0; l < pf_per_group; ++l, pf += 64) _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T1);
+    else
+      pf.step();
     const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
     const __m512i w2 = _mm512_loadu_si512(w + 128), w3 = _mm512_loadu_si512(w + 192);
     const uint8_t* ag = act + gi * 4;
@@ -114,28 +112,23 @@ AVX512_TARGET void tile_kernel(const Gemm& g, const int8_t* wt, int64_t r0, int6
   }
 }
 
-// With several row blocks, the first block of each tile waited on DRAM (the later ones read the
-// tile from L2): each block prefetches its share of the next tile into L2 instead (M = 16 ran
-// 1.02-1.14x faster on a Zen 4, docs/performance.md). A tile of one block (M <= 6) streams as
-// fast as M = 1 without; prefetching it ahead as M = 1 does ran 0.80-0.97x.
+// Each row block prefetches its share of the next tile (M = 16 ran 1.02-1.14x faster on a Zen 4).
+// A tile of one block (M <= 6) streams as fast as M = 1 without; prefetching it ahead as M = 1
+// does ran 0.80-0.97x.
 template <bool I32>
 void tiles(const Gemm& g, int64_t tb, int64_t te) {
-  const int64_t blocks = (g.M + MR - 1) / MR, tile = g.tile_bytes(), groups = g.Kp / 4;
-  const int64_t share = blocks > 1 ? (tile / blocks + 63) / 64 * 64 : 0;
-  const int per_group = static_cast<int>(std::min<int64_t>(4, (share / 64 + groups - 1) / groups));
+  const int64_t blocks = (g.M + MR - 1) / MR;
   for (int64_t t = tb; t < te; ++t) {
-    const int8_t* wt = g.w + t * tile;
-    const int8_t* next_end = t + 1 < te ? wt + 2 * tile : wt;
+    const int8_t* wt = g.w + t * g.tile_bytes();
     for (int64_t r = 0, b = 0; r < g.M; r += MR, ++b) {
-      const int8_t* pf = wt + tile + b * share;
-      const int8_t* pf_end = std::min(pf + share, next_end);
+      const TilePrefetch pf = next_tile_share(g, wt, blocks > 1 && t + 1 < te, b, blocks);
       switch (std::min<int64_t>(MR, g.M - r)) {
-        case 6: tile_kernel<6, I32>(g, wt, r, t * NT, pf, pf_end, per_group); break;
-        case 5: tile_kernel<5, I32>(g, wt, r, t * NT, pf, pf_end, per_group); break;
-        case 4: tile_kernel<4, I32>(g, wt, r, t * NT, pf, pf_end, per_group); break;
-        case 3: tile_kernel<3, I32>(g, wt, r, t * NT, pf, pf_end, per_group); break;
-        case 2: tile_kernel<2, I32>(g, wt, r, t * NT, pf, pf_end, per_group); break;
-        default: tile_kernel<1, I32>(g, wt, r, t * NT, pf, pf_end, per_group); break;
+        case 6: tile_kernel<6, I32>(g, wt, r, t * NT, pf); break;
+        case 5: tile_kernel<5, I32>(g, wt, r, t * NT, pf); break;
+        case 4: tile_kernel<4, I32>(g, wt, r, t * NT, pf); break;
+        case 3: tile_kernel<3, I32>(g, wt, r, t * NT, pf); break;
+        case 2: tile_kernel<2, I32>(g, wt, r, t * NT, pf); break;
+        default: tile_kernel<1, I32>(g, wt, r, t * NT, pf); break;
       }
     }
   }
