@@ -6,12 +6,16 @@ sweeps with `vllm bench serve` build on the same pieces).
 
 Configs follow benchmarks/configs.py (`method[:fmt][@backend][+mods][+flags]`), e.g.
 `pypto-a8w8:w8a8+fused_gate_up_silu+deferred_rms`. `--prompt-words N` makes the prompt long,
-so TTFT measures a prefill of ~N tokens.
+so TTFT measures a prefill of ~N tokens. `--paired` starts every config's server at once and
+sends the requests round-robin (the order reversed every other round), so each round measures
+the configs seconds apart and the per-round TPOT ratio to the first config cancels the shared
+host's drift, which moves a run's TPOT by 5-15% within minutes (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -30,22 +34,49 @@ from vllm_pypto.kernels.select import cpu_model  # noqa: E402
 from serving import checkpoint, config_bytes  # noqa: E402  (benchmarks/serving.py)
 
 
-def run_config(cfg: str, root: str, shape: str, requests: int, max_tokens: int, prompt: str) -> dict:
+def _server(cfg: str, root: str, shape: str) -> VllmServer:
     c = parse(cfg)
     # no prefix caching: every request repeats the prompt, and TTFT must measure the prefill
     args = ["--max-model-len", "2048", "--served-model-name", "m", "--no-enable-prefix-caching", *c.serve_args()]
-    model = checkpoint(root, shape, c.fmt)
-    t0 = time.time()
-    with VllmServer(model, *args, env=c.env) as s:
-        start = time.time() - t0
-        chat_once(s.url, "m", "warm up", 8)
-        runs = [chat_once(s.url, "m", prompt, max_tokens) for _ in range(requests)]
+    return VllmServer(checkpoint(root, shape, c.fmt), *args, env=c.env)
+
+
+def _row(cfg: str, shape: str, start: float, runs: list[dict]) -> dict:
     tpot = [r["tpot_s"] * 1000 for r in runs]
     ttft = [r["ttft_s"] * 1000 for r in runs]
     row = {"config": cfg, "shape": shape, "startup_s": round(start, 1), "tpot_ms_median": statistics.median(tpot),
            "tpot_ms": tpot, "ttft_ms_median": statistics.median(ttft), "tokens": runs[0]["tokens"]}
     print(json.dumps(row), flush=True)
     return row
+
+
+def run_config(cfg: str, root: str, shape: str, requests: int, max_tokens: int, prompt: str) -> dict:
+    t0 = time.time()
+    with _server(cfg, root, shape) as s:
+        start = time.time() - t0
+        chat_once(s.url, "m", "warm up", 8)
+        runs = [chat_once(s.url, "m", prompt, max_tokens) for _ in range(requests)]
+    return _row(cfg, shape, start, runs)
+
+
+def run_paired(configs: list[str], root: str, shape: str, requests: int, max_tokens: int, prompt: str) -> list[dict]:
+    """Every config's server up at once (an idle vLLM server sleeps), requests round-robin."""
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for cfg in configs:
+            t0 = time.time()
+            s = stack.enter_context(_server(cfg, root, shape))
+            servers.append((cfg, s, time.time() - t0))
+            chat_once(s.url, "m", "warm up", 8)
+        runs: dict[str, list[dict]] = {cfg: [] for cfg in configs}
+        for i in range(requests):
+            for cfg, s, _ in servers if i % 2 == 0 else servers[::-1]:
+                runs[cfg].append(chat_once(s.url, "m", prompt, max_tokens))
+    rows = [_row(cfg, shape, start, runs[cfg]) for cfg, _, start in servers]
+    for r in rows:  # TPOT over the first config's in the same round
+        ratios = sorted(t / b for t, b in zip(r["tpot_ms"], rows[0]["tpot_ms"]))
+        r["paired_ratio"] = {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
+    return rows
 
 
 def plot(report: dict, path: str) -> bool:
@@ -75,6 +106,13 @@ def plot(report: dict, path: str) -> bool:
     return True
 
 
+def header(report: dict) -> str:
+    """The results file's first lines: machine, date, command, the DRAM probes."""
+    return (f"{report['cpu']}, {report['cpus']} CPUs, {report['date']} UTC; `{report['command']}`; DRAM read "
+            f"{' / '.join(f'{b:.1f}' for b in report['dram_read_gbs'])} GB/s (before / after)"
+            + ("; all servers up at once, requests round-robin" if report.get("paired") else "") + "\n\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="0.6B")
@@ -84,6 +122,8 @@ def main() -> None:
     ap.add_argument("--checkpoints", default="checkpoints")
     ap.add_argument("--prompt-words", type=int, default=0, help="0: the short chat prompt 介绍一下北京故宫")
     ap.add_argument("--out", default="results")
+    ap.add_argument("--paired", action="store_true",
+                    help="all servers up at once, requests round-robin: per-round TPOT ratios to the first config")
     ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of an earlier run's JSON")
     a = ap.parse_args()
     if a.replot:
@@ -94,7 +134,10 @@ def main() -> None:
     configs = a.configs.split(",")
     bw = max(dram_read_gbs().values())
     print(f"DRAM read {bw:.1f} GB/s", flush=True)
-    rows = [run_config(c, a.checkpoints, a.shape, a.requests, a.max_tokens, prompt) for c in configs]
+    if a.paired:
+        rows = run_paired(configs, a.checkpoints, a.shape, a.requests, a.max_tokens, prompt)
+    else:
+        rows = [run_config(c, a.checkpoints, a.shape, a.requests, a.max_tokens, prompt) for c in configs]
     bw_after = max(dram_read_gbs().values())  # the host is shared: say how much it moved
     print(f"DRAM read after the runs {bw_after:.1f} GB/s", flush=True)
     for r in rows:  # each config against the bytes it reads per step, at the better of the two probes
@@ -102,22 +145,26 @@ def main() -> None:
         r["bound_ms"] = r["bytes_per_token"] / (max(bw, bw_after) * 1e9) * 1e3
     os.makedirs(a.out, exist_ok=True)
     stamp = f"{time.strftime('%Y-%m-%d')}-{platform.node() or 'machine'}-tpot-{a.shape}" + (
-        f"-prompt{a.prompt_words}" if a.prompt_words else "")
+        f"-prompt{a.prompt_words}" if a.prompt_words else "") + ("-paired" if a.paired else "")
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model(), "cpus": os.cpu_count(),
-              "command": " ".join(sys.argv), "prompt_words": a.prompt_words, "dram_read_gbs": [bw, bw_after],
+              "command": " ".join(sys.argv), "prompt_words": a.prompt_words, "paired": a.paired,
+              "dram_read_gbs": [bw, bw_after],
               "rows": rows}
     with open(os.path.join(a.out, stamp + ".json"), "w") as f:
         json.dump(report, f, indent=1)
     plot(report, os.path.join(a.out, stamp + ".png"))
     base = rows[0]["tpot_ms_median"]
+    paired = [f" per round: {r['paired_ratio']['median']:.3f}x ({r['paired_ratio']['min']:.3f}-"
+              f"{r['paired_ratio']['max']:.3f})" if "paired_ratio" in r else "" for r in rows]
     lines = [f"| config | shape | TPOT ms (median of {a.requests}) | TTFT ms | TPOT vs {rows[0]['config']} "
              f"| MB read per step | TPOT / its bandwidth bound |", "| --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['config']} | {r['shape']} | {r['tpot_ms_median']:.1f} | {r['ttft_ms_median']:.0f} | "
-              f"{r['tpot_ms_median'] / base:.2f}x | {r['bytes_per_token'] / 1e6:.0f} | "
-              f"{r['tpot_ms_median'] / r['bound_ms']:.2f}x ({r['bound_ms']:.1f} ms) |" for r in rows]
-    print("\n" + "\n".join(lines))
+              f"{r['tpot_ms_median'] / base:.2f}x{p} | {r['bytes_per_token'] / 1e6:.0f} | "
+              f"{r['tpot_ms_median'] / r['bound_ms']:.2f}x ({r['bound_ms']:.1f} ms) |" for r, p in zip(rows, paired)]
+    head = header(report)
+    print("\n" + head + "\n".join(lines))
     with open(os.path.join(a.out, stamp + ".md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(head + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

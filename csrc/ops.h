@@ -1,4 +1,4 @@
-// The torch ops of ops.cpp and attn_prologue.cpp, for register.cpp.
+// The torch ops of ops.cpp, attn_prologue.cpp and decoder_layer.cpp, for register.cpp.
 #pragma once
 
 #include <torch/extension.h>
@@ -22,6 +22,15 @@ torch::Tensor qk_norm_rope_cache(torch::Tensor q, torch::Tensor k, torch::Tensor
                                  torch::Tensor q_gamma, torch::Tensor k_gamma, double eps, torch::Tensor cos_sin,
                                  std::optional<torch::Tensor> kv_cache, std::optional<torch::Tensor> slots,
                                  std::string interior);
+std::vector<torch::Tensor> decoder_layer(torch::Tensor x, std::optional<torch::Tensor> residual,
+                                         torch::Tensor positions, std::vector<torch::Tensor> w, int64_t layer,
+                                         int64_t num_heads, int64_t num_kv_heads, double eps, double qk_eps,
+                                         torch::Tensor cos_sin, double scale, int64_t sliding_window, double softcap,
+                                         bool deferred, bool fused_gate_up_silu);
+void decoder_layer_step(std::vector<torch::Tensor> kv_caches, std::optional<torch::Tensor> slots,
+                        std::vector<torch::Tensor> meta, std::optional<torch::Tensor> dynamic_causal, bool causal,
+                        int64_t num_actual_tokens, std::string interior);
+void decoder_layer_step_end();
 int64_t read_probe(torch::Tensor buf);
 double int8_peak_gops(int64_t iters);
 

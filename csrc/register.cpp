@@ -14,6 +14,9 @@ TORCH_LIBRARY(pypto_cpu, m) {
   m.def("gate_up_silu_quant(Tensor q, Tensor scale, Tensor packed, Tensor comp, Tensor weight_scale) -> Tensor[]");
   m.def("qk_norm_rope_cache(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor q_gamma, Tensor k_gamma, "
         "float eps, Tensor cos_sin, Tensor(a!)? kv_cache, Tensor? slots, str interior) -> Tensor");
+  m.def("decoder_layer(Tensor x, Tensor? residual, Tensor positions, Tensor[] weights, int layer, int num_heads, "
+        "int num_kv_heads, float eps, float qk_eps, Tensor cos_sin, float scale, int sliding_window, float softcap, "
+        "bool deferred, bool fused_gate_up_silu) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(pypto_cpu, CPU, m) {
@@ -26,6 +29,7 @@ TORCH_LIBRARY_IMPL(pypto_cpu, CPU, m) {
   m.impl("silu_mul_quant", &a8w8::silu_mul_quant);
   m.impl("gate_up_silu_quant", &a8w8::gate_up_silu_quant);
   m.impl("qk_norm_rope_cache", &a8w8::qk_norm_rope_cache);
+  m.impl("decoder_layer", &a8w8::decoder_layer);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -35,5 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_min_m", &a8w8::amx_min_m, "rows from which the AMX path uses tiles");
   m.def("set_amx_min_m", &a8w8::set_amx_min_m, "change that threshold (benchmarks)");
   m.def("int8_peak_gops", &a8w8::int8_peak_gops, "int8 multiply-add peak from registers, all threads, active path");
+  m.def("decoder_layer_step", &a8w8::decoder_layer_step,
+        "this step's KV caches (by layer), slot mapping and attention metadata for decoder_layer");
+  m.def("decoder_layer_step_end", &a8w8::decoder_layer_step_end, "drop them after the forward");
   m.def("read_probe", &a8w8::read_probe, "read a buffer once with the active path's loads (bandwidth probe)");
 }

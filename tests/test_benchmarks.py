@@ -199,6 +199,25 @@ def test_quality_script_refuses_a_quantized_reference(tiny_w8a8, tmp_path):
     assert r.returncode == 2 and "--reference" in r.stderr
 
 
+@pytest.mark.slow  # two servers at once (~2 min): make test-slow, which CI runs
+def test_tpot_script_pairs_the_configs_round_by_round(tmp_path):
+    """--paired: both servers up at once, the requests round-robin; every round's TPOT against the
+    first config's in the same round, and the results file names the machine and the command."""
+    out = tmp_path / "results"
+    r = run_script("tpot.py", "--shape", "tiny", "--paired", "--requests", "3", "--max-tokens", "6", "--configs",
+                   "pypto-a8w8:w8a8,pypto-a8w8:w8a8+int8_lm_head", "--checkpoints", str(tmp_path / "ckpt"),
+                   "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = only_json(out)
+    first, second = rep["rows"]
+    assert rep["paired"] and len(first["tpot_ms"]) == len(second["tpot_ms"]) == 3
+    assert first["paired_ratio"] == {"median": 1.0, "min": 1.0, "max": 1.0}
+    ratios = sorted(t / b for t, b in zip(second["tpot_ms"], first["tpot_ms"]))
+    assert second["paired_ratio"]["median"] == pytest.approx(ratios[1]) and second["paired_ratio"]["min"] > 0
+    md = (out / [n for n in os.listdir(out) if n.endswith(".md")][0]).read_text()
+    assert md.startswith(rep["cpu"]) and "round-robin" in md and "per round:" in md
+
+
 @pytest.mark.slow  # three servers and `vllm bench serve` (~3 min): make test-slow, which CI runs
 def test_serving_script_records_bench_serve_metrics(tmp_path):
     """Ours and, where the optional peer is installed (CI installs it), llama.cpp's server driven

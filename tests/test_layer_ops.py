@@ -206,3 +206,57 @@ def test_native_qk_norm_rope_cache_equals_reference(T, nq, nkv, hd, interior, is
     assert torch.equal(nat.qk_norm_rope_cache(q, k, v, pos, qg, kg, 1e-6, table, None, None, interior), b)
     with pytest.raises(RuntimeError, match="outside the cos/sin table"):
         nat.qk_norm_rope_cache(q, k, v, pos + 512, qg, kg, 1e-6, table, b_kv, slots, interior)
+
+
+@native
+@pytest.mark.parametrize("first,fused,deferred", [(True, False, False), (False, False, False), (False, True, True)])
+def test_native_decoder_layer_equals_its_ops_in_order(first, fused, deferred, isa):
+    """Flag native_decoder_layer's op is the layer the model class runs op by op with
+    native_attn_prologue: the same output, residual and KV cache, bit for bit, on a step that mixes
+    a decode (20 cached tokens) with a 2-token prefill; and without a step context, a clear error."""
+    from vllm import _custom_ops as ops
+    from vllm_pypto import _C
+
+    nat = CpuNativeBackend()
+    H, I, nq, nkv, hd, bs, nb, T = 256, 384, 4, 2, 64, 32, 6, 3
+    g = torch.Generator().manual_seed(7)
+
+    def lin(N, K):
+        w = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+        return nat.prepack(w, torch.rand(N, generator=g) * 0.01 + 1e-4)
+    qkv, o, gu, down = lin((nq + 2 * nkv) * hd, H), lin(H, nq * hd), lin(2 * I, H), lin(H, I)
+    norms = [(torch.rand(n, generator=g) * 2).to(BF16) for n in (H, hd, hd, H)]
+    x = torch.randn(T, H, generator=g).to(BF16)
+    residual = None if first else (torch.randn(T, H, generator=g) * 4).to(BF16)
+    positions = torch.tensor([20, 0, 1])
+    qsl, seq_lens = torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([21, 2], dtype=torch.int32)
+    block_table = torch.tensor([[2, 0], [3, 5]], dtype=torch.int32)
+    slots = torch.tensor([2 * bs + 20, 3 * bs, 3 * bs + 1])  # position 20 of request 0: its block 2, slot 20
+    base = torch.randn(nb, nkv, bs, 2 * hd, generator=g).to(BF16)
+    table, scale = L.rope_table(64, hd, 1e6), hd ** -0.5
+    sched = ops.cpu_attn_get_scheduler_metadata(2, nq, nkv, hd, seq_lens, BF16, qsl, True, -1, "vec", False)
+
+    kv_a = base.clone()  # the layer op by op
+    q, s, h = nat.rmsnorm_quant(x, residual, norms[0], 1e-6, deferred)
+    qq, kk, vv = nat.linear_q(q, s, qkv).split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+    qr = nat.qk_norm_rope_cache(qq, kk, vv, positions, norms[1], norms[2], 1e-6, table, kv_a, slots, "vec")
+    attn = torch.empty(T, nq * hd, dtype=BF16)
+    kc, vc = kv_a.view(nb, nkv, 2 * bs, hd).chunk(2, dim=2)
+    ops.cpu_attention_with_kv_cache(qr.view(T, nq, hd), kc, vc, attn.view(T, nq, hd), qsl, seq_lens, scale, True,
+                                    None, -1, block_table, 0.0, sched, None)
+    q2, s2, h2 = nat.rmsnorm_quant(nat.linear(attn, o), h, norms[3], 1e-6, deferred)
+    qa, sa = nat.gate_up_silu_quant(q2, s2, gu) if fused else nat.silu_mul_quant(nat.linear_q(q2, s2, gu))
+    want = nat.linear_q(qa, sa, down)
+
+    kv_b = base.clone()  # the one op, as layer 1 of a step
+    weights = norms + [t for p in (qkv, o, gu, down) for t in p.values()]
+    args = (x, residual, positions, weights, 1, nq, nkv, 1e-6, 1e-6, table, scale, -1, 0.0, deferred, fused)
+    _C.decoder_layer_step([torch.empty(0), kv_b], slots, [qsl, seq_lens, block_table, sched], None, True, T, "vec")
+    try:
+        got, res = torch.ops.pypto_cpu.decoder_layer(*args)
+    finally:
+        _C.decoder_layer_step_end()
+    assert _same_bf16(got, want) and torch.equal(res, h2)
+    assert torch.equal(kv_a, kv_b) and not torch.equal(kv_b, base)
+    with pytest.raises(RuntimeError, match="no step context"):
+        torch.ops.pypto_cpu.decoder_layer(*args)

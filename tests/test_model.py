@@ -25,7 +25,8 @@ from test_golden import MAX_TOL, MEAN_TOL, check, gate
 # native_attn_prologue's engine tests run under `make test-slow` (CI runs both): make test stays
 # under 30 minutes on an AVX2-only EPYC, where it took 35 with them
 FLAGS = ["fused_qk_norm_rope", "deferred_rms", "fused_gate_up_silu",
-         pytest.param("native_attn_prologue", marks=pytest.mark.slow)]
+         pytest.param("native_attn_prologue", marks=pytest.mark.slow),
+         pytest.param("native_decoder_layer", marks=pytest.mark.slow)]
 
 
 def _dispatches(model: str, tmp_path, *args: str) -> dict:
@@ -61,6 +62,27 @@ def test_native_attn_prologue_replaces_vllms_attention_glue(tiny_w8a8, tmp_path)
     assert ops.get("pypto.attention_prologue") == 1
     assert not {"vllm.unified_kv_cache_update", "vllm.unified_attention_with_output"} & set(ops)
     assert not [op for op in ops if "rotary" in op or "rms_norm" in op], ops
+
+
+@pytest.mark.slow
+def test_native_decoder_layer_is_one_op_with_native_attn_prologues_output(tiny_w8a8, tmp_path):
+    """With the flag a layer is one dispatch, and the engine's output is native_attn_prologue's (the
+    same kernels in the same order), logprobs bit for bit; with fused_gate_up_silu as well."""
+    ops = _dispatches(tiny_w8a8, tmp_path, "--flags", "native_decoder_layer")["layer_ops"]
+    print(f"\nlayer ops with native_decoder_layer: {ops}")
+    assert ops == {"pypto_cpu.decoder_layer": 1}, ops
+    out = {flag: run_generate(tiny_w8a8, str(tmp_path / f"{flag}.json"), "--quantization", "pypto-a8w8",
+                              env={"VLLM_PYPTO_FLAGS": f"{flag},fused_gate_up_silu"}, max_tokens=16)
+           for flag in ("native_attn_prologue", "native_decoder_layer")}
+    a, b = ([(r["text"], r["logprobs"]) for r in o["results"]] for o in out.values())
+    assert a == b
+
+
+@pytest.mark.slow
+def test_native_decoder_layer_refuses_a_backend_without_it(tiny_w8a8, tmp_path):
+    with pytest.raises(RuntimeError, match="flag native_decoder_layer needs the native CPU kernels"):
+        run_generate(tiny_w8a8, str(tmp_path / "ref.json"), "--quantization", "pypto-a8w8", max_tokens=2,
+                     env={"VLLM_PYPTO_FLAGS": "native_decoder_layer", "VLLM_PYPTO_BACKEND": "reference"})
 
 
 @pytest.fixture(scope="module")

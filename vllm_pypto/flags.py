@@ -50,6 +50,13 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
          "experimental", "-4% (0.6B served batch 1 with int8_lm_head, one run, AVX2-only EPYC: 85.6 -> 82.0 ms); "
          "with int8_lm_head + fast_top_k_top_p on a Zen 4 EPYC, one noisy run: +8% (0.6B) / -21% (1.7B); "
          "golden gate as the other flags'"),
+    Flag("native_decoder_layer",
+         "vLLM-CPU only: a whole decoder layer as one opaque op and one native call (norms, the four int8 GEMMs, "
+         "native_attn_prologue's QK-norm/RoPE/cache write and vLLM-CPU's attention kernel, called from C++); "
+         "native_attn_prologue's output bit for bit, without the Python and dispatch between the ops",
+         "experimental", "-11% (0.6B) / -9% (1.7B) served batch 1 with int8_lm_head + fast_top_k_top_p, against "
+         "native_attn_prologue: per-round median of 16 paired rounds (both servers up, requests alternating; lower "
+         "in 12 of 16 rounds on each), Zen 4 EPYC; unpaired one-at-a-time runs read -11% to +5%; tokens unchanged"),
     Flag("fast_top_k_top_p",
          "vLLM-CPU's top-k + top-p sampling filter (Qwen3's generation_config asks for top_k 20, top_p 0.95) on "
          "the largest max(k)+64 logits instead of a sort of the whole vocabulary; the kept tokens are vLLM's, bit "

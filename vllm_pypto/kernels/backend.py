@@ -15,6 +15,7 @@ import torch
 class A8W8Backend(ABC):
     name: str
     runs_layers = False  # True: the model class hands it whole decoder layers (the PyPTO backend)
+    fused_decoder_layer = False  # True: it has flag native_decoder_layer's one-op layer (model/decoder_layer.py)
 
     @abstractmethod
     def isa(self) -> str:

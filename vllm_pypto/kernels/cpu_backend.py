@@ -52,6 +52,7 @@ def choose_isa() -> str:
 
 class CpuNativeBackend(A8W8Backend):
     name = "cpu"
+    fused_decoder_layer = True
 
     def isa(self) -> str:
         from .. import _C

@@ -34,7 +34,7 @@ from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index
 from .. import flags
 from ..kernels import get_backend, layer_ref
 from ..quant.linear import PyptoA8W8LinearMethod
-from . import attn_prologue, pypto_layer
+from . import attn_prologue, decoder_layer, pypto_layer
 
 
 def takes_int8(linear: nn.Module) -> bool:
@@ -65,10 +65,14 @@ class PyptoQwen3DecoderLayer(Qwen3DecoderLayer):
                              f"rope_parameters are {rope}")
         self.rope_theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 1e6)))
         # the guardrail's broken RoPE exists in the torch path only: it keeps that path
-        self.prologue = "native_attn_prologue" in self.flags and "guardrail_broken_q_rope" not in self.flags
+        native = "guardrail_broken_q_rope" not in self.flags
+        self.one_op = native and "native_decoder_layer" in self.flags
+        self.prologue = native and ("native_attn_prologue" in self.flags or self.one_op)
         if self.prologue:
             max_len = get_current_vllm_config().model_config.max_model_len
             attn_prologue.check_layer(self, max_len)
+            if self.one_op:
+                decoder_layer.check_layer(self)
             self.register_buffer("pypto_cos_sin", attn_prologue.rope_table(max_len, self.self_attn.head_dim,
                                                                            self.rope_theta), persistent=False)
         # PyPTO backend: whole layers on its kernels (pypto_layer.py)
@@ -127,6 +131,8 @@ class PyptoQwen3DecoderLayer(Qwen3DecoderLayer):
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pypto:
             return pypto_layer.forward(self, positions, hidden_states, residual, self.first)
+        if self.one_op:
+            return decoder_layer.forward(self, positions, hidden_states, residual)
         attn = self.self_attn
         qkv, residual = self._norm_into(self.input_layernorm, attn.qkv_proj, hidden_states, residual)
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
@@ -162,3 +168,11 @@ class PyptoQwen3ForCausalLM(Qwen3ForCausalLM):
             self.lm_head = PPMissingLayer()
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+        # flag native_decoder_layer: the layers whose op reads this step's KV caches and metadata
+        self.one_op_layers = [layer for layer in self.model.layers if getattr(layer, "one_op", False)]
+
+    def forward(self, *args, **kwargs):
+        if not self.one_op_layers:
+            return super().forward(*args, **kwargs)
+        with decoder_layer.step(self.one_op_layers):
+            return super().forward(*args, **kwargs)
