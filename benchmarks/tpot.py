@@ -122,6 +122,7 @@ def main() -> None:
     ap.add_argument("--checkpoints", default="checkpoints")
     ap.add_argument("--prompt-words", type=int, default=0, help="0: the short chat prompt 介绍一下北京故宫")
     ap.add_argument("--out", default="results")
+    ap.add_argument("--tag", default="", help="appended to the results file name")
     ap.add_argument("--paired", action="store_true",
                     help="all servers up at once, requests round-robin: per-round TPOT ratios to the first config")
     ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of an earlier run's JSON")
@@ -145,7 +146,8 @@ def main() -> None:
         r["bound_ms"] = r["bytes_per_token"] / (max(bw, bw_after) * 1e9) * 1e3
     os.makedirs(a.out, exist_ok=True)
     stamp = f"{time.strftime('%Y-%m-%d')}-{platform.node() or 'machine'}-tpot-{a.shape}" + (
-        f"-prompt{a.prompt_words}" if a.prompt_words else "") + ("-paired" if a.paired else "")
+        f"-prompt{a.prompt_words}" if a.prompt_words else "") + ("-paired" if a.paired else "") + (
+        f"-{a.tag}" if a.tag else "")
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model(), "cpus": os.cpu_count(),
               "command": " ".join(sys.argv), "prompt_words": a.prompt_words, "paired": a.paired,
               "dram_read_gbs": [bw, bw_after],

@@ -206,9 +206,10 @@ def test_tpot_script_pairs_the_configs_round_by_round(tmp_path):
     out = tmp_path / "results"
     r = run_script("tpot.py", "--shape", "tiny", "--paired", "--requests", "3", "--max-tokens", "6", "--configs",
                    "pypto-a8w8:w8a8,pypto-a8w8:w8a8+int8_lm_head", "--checkpoints", str(tmp_path / "ckpt"),
-                   "--out", str(out))
+                   "--out", str(out), "--tag", "ab")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = only_json(out)
+    assert [n for n in os.listdir(out) if n.endswith(".json")][0].endswith("-tpot-tiny-paired-ab.json")
     first, second = rep["rows"]
     assert rep["paired"] and len(first["tpot_ms"]) == len(second["tpot_ms"]) == 3
     assert first["paired_ratio"] == {"median": 1.0, "min": 1.0, "max": 1.0}
