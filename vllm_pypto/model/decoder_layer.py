@@ -26,8 +26,8 @@ from vllm.model_executor.layers.linear import RowParallelLinear
 from vllm.model_executor.models.utils import extract_layer_index
 
 from ..kernels import get_backend
-from ..kernels.ascend.paging import INTERIORS
 from ..quant.linear import PyptoA8W8LinearMethod
+from . import attn_prologue
 
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -70,20 +70,18 @@ def step(layers):
     metas = ctx.attn_metadata
     if isinstance(metas, list):  # speculative decoding: [0] is the base model's
         metas = metas[0]
-    meta = {id(metas[a.layer_name]) for a in attn} if isinstance(metas, dict) else {id(metas)}
-    slots = {id(ctx.slot_mapping.get(a.layer_name)) for a in attn} if isinstance(ctx.slot_mapping, dict) else set()
-    if len(meta) > 1 or len(slots) > 1:
+    per_layer = [(metas[a.layer_name] if isinstance(metas, dict) else metas,
+                  ctx.slot_mapping.get(a.layer_name) if isinstance(ctx.slot_mapping, dict) else None) for a in attn]
+    m, slot_mapping = per_layer[0]
+    if any(lm is not m or ls is not slot_mapping for lm, ls in per_layer):
         raise RuntimeError("flag native_decoder_layer: the layers have more than one KV cache group (attention "
                            "metadata or slot mapping differ between layers)")
-    m = metas[attn[0].layer_name] if isinstance(metas, dict) else metas
-    slot_mapping = ctx.slot_mapping.get(attn[0].layer_name) if isinstance(ctx.slot_mapping, dict) else None
     caches = [torch.empty(0)] * (max(layer.pypto_layer_index for layer in layers) + 1)
     for layer, a in zip(layers, attn):
         caches[layer.pypto_layer_index] = a.kv_cache
     interior = getattr(attn[0], "isa", None)
-    if slot_mapping is not None and caches[layers[0].pypto_layer_index].numel() > 0 and interior not in INTERIORS:
-        raise RuntimeError(f"flag native_decoder_layer: vLLM-CPU's {interior!r} attention packs its KV cache in a "
-                           f"way this op does not write (known: {sorted(INTERIORS)})")
+    if slot_mapping is not None and caches[layers[0].pypto_layer_index].numel() > 0:
+        attn_prologue.check_interior(interior, "native_decoder_layer")
     if m is None:  # a warm-up or profiling pass: no attention, as vLLM-CPU's own forward
         _C.decoder_layer_step(caches, slot_mapping, [], None, True, 0, interior or "vec")
     else:
