@@ -6,7 +6,10 @@ sweeps with `vllm bench serve` build on the same pieces).
 
 Configs follow benchmarks/configs.py (`method[:fmt][@backend][+mods][+flags]`), e.g.
 `pypto-a8w8:w8a8+fused_gate_up_silu+deferred_rms`. `--prompt-words N` makes the prompt long,
-so TTFT measures a prefill of ~N tokens. `--paired` starts every config's server at once and
+so TTFT measures a prefill of ~N tokens. The config `llama.cpp-server` is the peer users would
+pick: llama-cpp-python's OpenAI server on the Q8_0 GGUF of the same weights (benchmarks/
+llama_cpp_peer.py), sent the same chat requests, end-of-generation tokens banned so that it
+decodes every requested token as ours do under ignore_eos. `--paired` starts every config's server at once and
 sends the requests round-robin (the order reversed every other round), so each round measures
 the configs seconds apart and the per-round TPOT ratio to the first config cancels the shared
 host's drift, which moves a run's TPOT by 5-15% within minutes (docs/performance.md).
@@ -30,11 +33,17 @@ from vllm_pypto.tools.server import VllmServer  # noqa: E402
 import report as report_file  # noqa: E402  (benchmarks/report.py)
 from configs import parse  # noqa: E402  (benchmarks/configs.py)
 from linear import dram_read_gbs  # noqa: E402  (benchmarks/linear.py)
-from vllm_pypto.kernels.select import cpu_model  # noqa: E402
-from serving import checkpoint, config_bytes  # noqa: E402  (benchmarks/serving.py)
+from vllm_pypto.kernels.select import cpu_isa_flags, cpu_model  # noqa: E402
+from serving import checkpoint, config_bytes, q8_0_bytes  # noqa: E402  (benchmarks/serving.py)
+
+LLAMA = "llama.cpp-server"  # the peer's config name
 
 
 def _server(cfg: str, root: str, shape: str) -> VllmServer:
+    if cfg == LLAMA:
+        from llama_cpp_peer import LlamaCppServer, gguf_for
+
+        return LlamaCppServer(gguf_for(checkpoint(root, shape, "w8a8")), 2048)
     c = parse(cfg)
     # no prefix caching: every request repeats the prompt, and TTFT must measure the prefill
     args = ["--max-model-len", "2048", "--served-model-name", "m", "--no-enable-prefix-caching", *c.serve_args()]
@@ -50,28 +59,42 @@ def _row(cfg: str, shape: str, start: float, runs: list[dict]) -> dict:
     return row
 
 
+def _extra_body(cfg: str, root: str, shape: str) -> dict | None:
+    """The request fields of a config's server: vLLM's defaults, or the peer's EOG ban."""
+    if cfg != LLAMA:
+        return None
+    from llama_cpp_peer import eog_bias
+
+    return eog_bias(checkpoint(root, shape, "w8a8"))
+
+
+def _bytes(cfg: str, shape: str) -> int:
+    return q8_0_bytes(shape) if cfg == LLAMA else config_bytes(shape, parse(cfg))
+
+
 def run_config(cfg: str, root: str, shape: str, requests: int, max_tokens: int, prompt: str) -> dict:
     t0 = time.time()
+    body = _extra_body(cfg, root, shape)
     with _server(cfg, root, shape) as s:
         start = time.time() - t0
-        chat_once(s.url, "m", "warm up", 8)
-        runs = [chat_once(s.url, "m", prompt, max_tokens) for _ in range(requests)]
+        chat_once(s.url, "m", "warm up", 8, body)
+        runs = [chat_once(s.url, "m", prompt, max_tokens, body) for _ in range(requests)]
     return _row(cfg, shape, start, runs)
 
 
 def run_paired(configs: list[str], root: str, shape: str, requests: int, max_tokens: int, prompt: str) -> list[dict]:
     """Every config's server up at once (an idle vLLM server sleeps), requests round-robin."""
     with contextlib.ExitStack() as stack:
-        servers = []
+        servers, bodies = [], {cfg: _extra_body(cfg, root, shape) for cfg in configs}
         for cfg in configs:
             t0 = time.time()
             s = stack.enter_context(_server(cfg, root, shape))
             servers.append((cfg, s, time.time() - t0))
-            chat_once(s.url, "m", "warm up", 8)
+            chat_once(s.url, "m", "warm up", 8, bodies[cfg])
         runs: dict[str, list[dict]] = {cfg: [] for cfg in configs}
         for i in range(requests):
             for cfg, s, _ in servers if i % 2 == 0 else servers[::-1]:
-                runs[cfg].append(chat_once(s.url, "m", prompt, max_tokens))
+                runs[cfg].append(chat_once(s.url, "m", prompt, max_tokens, bodies[cfg]))
     rows = [_row(cfg, shape, start, runs[cfg]) for cfg, _, start in servers]
     for r in rows:  # TPOT over the first config's in the same round
         ratios = sorted(t / b for t, b in zip(r["tpot_ms"], rows[0]["tpot_ms"]))
@@ -133,6 +156,9 @@ def main() -> None:
         return
     prompt = " ".join(["介绍一下北京故宫"] + ["the palace museum in beijing"] * (a.prompt_words // 5))
     configs = a.configs.split(",")
+    for c in configs:  # a typo fails here, not after the first servers ran
+        if c != LLAMA:
+            parse(c)
     bw = max(dram_read_gbs().values())
     print(f"DRAM read {bw:.1f} GB/s", flush=True)
     if a.paired:
@@ -142,13 +168,14 @@ def main() -> None:
     bw_after = max(dram_read_gbs().values())  # the host is shared: say how much it moved
     print(f"DRAM read after the runs {bw_after:.1f} GB/s", flush=True)
     for r in rows:  # each config against the bytes it reads per step, at the better of the two probes
-        r["bytes_per_token"] = config_bytes(a.shape, parse(r["config"]))
+        r["bytes_per_token"] = _bytes(r["config"], a.shape)
         r["bound_ms"] = r["bytes_per_token"] / (max(bw, bw_after) * 1e9) * 1e3
     os.makedirs(a.out, exist_ok=True)
     stamp = f"{time.strftime('%Y-%m-%d')}-{platform.node() or 'machine'}-tpot-{a.shape}" + (
         f"-prompt{a.prompt_words}" if a.prompt_words else "") + ("-paired" if a.paired else "") + (
         f"-{a.tag}" if a.tag else "")
-    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model(), "cpus": os.cpu_count(),
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": f"{cpu_model()} ({' '.join(cpu_isa_flags())})",
+              "cpus": os.cpu_count(),
               "command": " ".join(sys.argv), "prompt_words": a.prompt_words, "paired": a.paired,
               "dram_read_gbs": [bw, bw_after],
               "rows": rows}

@@ -58,6 +58,7 @@ struct Step {
   bool causal = true;
   int64_t num_actual_tokens = 0;
   std::string interior;
+  bool decode_only = false;  // every sequence has one query token (query_start_loc is 0, 1, ..., n)
 };
 Step step;
 
@@ -68,8 +69,15 @@ void decoder_layer_step(std::vector<torch::Tensor> kv_caches, std::optional<torc
                         int64_t num_actual_tokens, std::string interior) {
   TORCH_CHECK(meta.empty() || meta.size() == 4, "decoder_layer_step: meta is [query_start_loc, seq_lens, "
               "block_table, scheduler_metadata], or empty on a pass without attention");
+  bool decode_only = false;
+  if (!meta.empty() && meta[0].scalar_type() == torch::kInt32 && meta[0].is_contiguous() &&
+      meta[1].numel() == num_actual_tokens && meta[0].numel() > num_actual_tokens) {
+    const int32_t* qsl = meta[0].data_ptr<int32_t>();
+    decode_only = true;
+    for (int64_t i = 0; i <= num_actual_tokens; ++i) decode_only = decode_only && qsl[i] == i;
+  }
   step = Step{std::move(kv_caches), std::move(slots), std::move(meta), std::move(dynamic_causal), causal,
-              num_actual_tokens, std::move(interior)};
+              num_actual_tokens, std::move(interior), decode_only};
 }
 
 void decoder_layer_step_end() { step = Step{}; }
@@ -78,7 +86,7 @@ std::vector<torch::Tensor> decoder_layer(torch::Tensor x, std::optional<torch::T
                                          torch::Tensor positions, std::vector<torch::Tensor> w, int64_t layer,
                                          int64_t num_heads, int64_t num_kv_heads, double eps, double qk_eps,
                                          torch::Tensor cos_sin, double scale, int64_t sliding_window, double softcap,
-                                         bool deferred, bool fused_gate_up_silu) {
+                                         bool deferred, bool fused_gate_up_silu, bool native_decode) {
   TORCH_CHECK(w.size() == N_W, "decoder_layer: expected ", int(N_W), " weight tensors, got ", w.size());
   TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(step.kv_caches.size()),
               "decoder_layer: no step context for layer ", layer, " (the model's forward sets it first)");
@@ -98,13 +106,26 @@ std::vector<torch::Tensor> decoder_layer(torch::Tensor x, std::optional<torch::T
                               write ? step.slots : std::nullopt, step.interior);
   });
   torch::Tensor attn;
+  const int64_t n = std::min(step.num_actual_tokens, T);
   if (step.meta.empty()) {
     attn = torch::zeros({T, num_heads * hd}, x.options());  // a warm-up or profiling pass: no attention
+  } else if (native_decode && step.decode_only && step.causal && !step.dynamic_causal && sliding_window < 0 &&
+             softcap == 0.0 && write && decode_attention_fits(num_heads, num_kv_heads, hd, step.interior)) {
+    // flag native_decode_attention on a decode-only step (decode_attention.cpp)
+    auto a = as_op("pypto_cpu::decode_attention", [&] {
+      return decode_attention(qr.view({T, num_heads, hd}).narrow(0, 0, n), kc, step.meta[1], step.meta[2],
+                              num_kv_heads, scale, step.interior);
+    });
+    if (n == T) {
+      attn = a;
+    } else {  // padding rows: zeros into the O GEMM, as below
+      attn = torch::zeros({T, num_heads * hd}, x.options());
+      attn.narrow(0, 0, n).copy_(a);
+    }
   } else {
     TORCH_CHECK(write, "decoder_layer: attention metadata but no KV cache and slots for layer ", layer);
     attn = torch::empty({T, num_heads * hd}, x.options());
     auto kv = kc.view({kc.size(0), kc.size(1), 2 * kc.size(2), hd}).chunk(2, 2);
-    const int64_t n = std::min(step.num_actual_tokens, T);
     const auto& m = step.meta;
     torch::jit::Stack st;
     st.reserve(18);

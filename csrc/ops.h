@@ -1,4 +1,4 @@
-// The torch ops of ops.cpp, attn_prologue.cpp and decoder_layer.cpp, for register.cpp.
+// The torch ops of ops.cpp, attn_prologue.cpp, decode_attention.cpp and decoder_layer.cpp, for register.cpp.
 #pragma once
 
 #include <torch/extension.h>
@@ -26,7 +26,10 @@ std::vector<torch::Tensor> decoder_layer(torch::Tensor x, std::optional<torch::T
                                          torch::Tensor positions, std::vector<torch::Tensor> w, int64_t layer,
                                          int64_t num_heads, int64_t num_kv_heads, double eps, double qk_eps,
                                          torch::Tensor cos_sin, double scale, int64_t sliding_window, double softcap,
-                                         bool deferred, bool fused_gate_up_silu);
+                                         bool deferred, bool fused_gate_up_silu, bool native_decode);
+bool decode_attention_fits(int64_t num_heads, int64_t num_kv_heads, int64_t hd, const std::string& interior);
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor seq_lens,
+                               torch::Tensor block_table, int64_t num_kv_heads, double scale, std::string interior);
 void decoder_layer_step(std::vector<torch::Tensor> kv_caches, std::optional<torch::Tensor> slots,
                         std::vector<torch::Tensor> meta, std::optional<torch::Tensor> dynamic_causal, bool causal,
                         int64_t num_actual_tokens, std::string interior);

@@ -16,7 +16,9 @@ TORCH_LIBRARY(pypto_cpu, m) {
         "float eps, Tensor cos_sin, Tensor(a!)? kv_cache, Tensor? slots, str interior) -> Tensor");
   m.def("decoder_layer(Tensor x, Tensor? residual, Tensor positions, Tensor[] weights, int layer, int num_heads, "
         "int num_kv_heads, float eps, float qk_eps, Tensor cos_sin, float scale, int sliding_window, float softcap, "
-        "bool deferred, bool fused_gate_up_silu) -> Tensor[]");
+        "bool deferred, bool fused_gate_up_silu, bool native_decode) -> Tensor[]");
+  m.def("decode_attention(Tensor q, Tensor kv_cache, Tensor seq_lens, Tensor block_table, int num_kv_heads, "
+        "float scale, str interior) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pypto_cpu, CPU, m) {
@@ -30,6 +32,7 @@ TORCH_LIBRARY_IMPL(pypto_cpu, CPU, m) {
   m.impl("gate_up_silu_quant", &a8w8::gate_up_silu_quant);
   m.impl("qk_norm_rope_cache", &a8w8::qk_norm_rope_cache);
   m.impl("decoder_layer", &a8w8::decoder_layer);
+  m.impl("decode_attention", &a8w8::decode_attention);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -22,6 +22,7 @@ import quality  # noqa: E402
 from accuracy import prediction  # noqa: E402
 from linear import limit_ms  # noqa: E402
 from vllm_pypto import flags  # noqa: E402
+from vllm_pypto.kernels.select import cpu_isa_flags  # noqa: E402
 
 ENV = {"VLLM_PYPTO_ALLOW_TEST_FLAGS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 GUARDRAIL = "pypto-a8w8+guardrail_broken_q_rope"
@@ -199,18 +200,45 @@ def test_quality_script_refuses_a_quantized_reference(tiny_w8a8, tmp_path):
     assert r.returncode == 2 and "--reference" in r.stderr
 
 
+@pytest.mark.skipif(not {"avx2", "fma"} <= set(cpu_isa_flags()), reason="the kernel needs AVX2+FMA")
+def test_attention_script_sets_the_kernels_side_by_side(tmp_path):
+    """benchmarks/attention.py: a row per (sequences, context), each kernel timed in every round,
+    the per-round ratio, the bound at the run's bandwidth, and the two kernels' outputs within
+    bf16 rounding of each other (a wrong block table or layout would differ by O(1))."""
+    out = tmp_path / "results"
+    r = run_script("attention.py", "--shape", "tiny", "--batches", "1,3", "--ctx", "5,300", "--rounds", "2",
+                   "--block-size", "32", "--out", str(out), "--tag", "t")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = only_json(out)
+    assert [(row["batch"], row["ctx"]) for row in rep["rows"]] == [(1, 5), (1, 300), (3, 5), (3, 300)]
+    for row in rep["rows"]:
+        assert len(row["ours_us_all"]) == len(row["vllm_us_all"]) == 2 and row["ours_us"] > 0 < row["vllm_us"]
+        assert row["ratio"]["min"] <= row["ratio"]["median"] <= row["ratio"]["max"]
+        assert 0 < row["bound_us"] and row["max_abs_diff"] < 2 ** -5
+    assert rep["cpu"] and len(rep["dram_read_gbs"]) == 2
+    assert [n for n in os.listdir(out) if n.endswith(".md")][0].endswith("-attention-t.md")
+
+
 @pytest.mark.slow  # two servers at once (~2 min): make test-slow, which CI runs
 def test_tpot_script_pairs_the_configs_round_by_round(tmp_path):
-    """--paired: both servers up at once, the requests round-robin; every round's TPOT against the
-    first config's in the same round, and the results file names the machine and the command."""
+    """--paired: the servers up at once, the requests round-robin; every round's TPOT against the
+    first config's in the same round, and the results file names the machine and the command.
+    Where the optional peer is installed (CI installs it), llama.cpp's server is one of them and
+    decodes every requested token."""
     out = tmp_path / "results"
+    peer = importlib.util.find_spec("llama_cpp") is not None and importlib.util.find_spec("gguf") is not None
+    configs = "pypto-a8w8:w8a8,pypto-a8w8:w8a8+int8_lm_head" + (",llama.cpp-server" if peer else "")
     r = run_script("tpot.py", "--shape", "tiny", "--paired", "--requests", "3", "--max-tokens", "6", "--configs",
-                   "pypto-a8w8:w8a8,pypto-a8w8:w8a8+int8_lm_head", "--checkpoints", str(tmp_path / "ckpt"),
-                   "--out", str(out), "--tag", "ab")
+                   configs, "--checkpoints", str(tmp_path / "ckpt"), "--out", str(out), "--tag", "ab")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = only_json(out)
     assert [n for n in os.listdir(out) if n.endswith(".json")][0].endswith("-tpot-tiny-paired-ab.json")
-    first, second = rep["rows"]
+    first, second, *served_peer = rep["rows"]
+    if peer:
+        from serving import q8_0_bytes
+        (llama,) = served_peer
+        assert llama["tokens"] == 6 and len(llama["tpot_ms"]) == 3 and llama["paired_ratio"]["min"] > 0
+        assert llama["bytes_per_token"] == q8_0_bytes("tiny")
     assert rep["paired"] and len(first["tpot_ms"]) == len(second["tpot_ms"]) == 3
     assert first["paired_ratio"] == {"median": 1.0, "min": 1.0, "max": 1.0}
     ratios = sorted(t / b for t, b in zip(second["tpot_ms"], first["tpot_ms"]))

@@ -209,11 +209,15 @@ def test_native_qk_norm_rope_cache_equals_reference(T, nq, nkv, hd, interior, is
 
 
 @native
-@pytest.mark.parametrize("first,fused,deferred", [(True, False, False), (False, False, False), (False, True, True)])
-def test_native_decoder_layer_equals_its_ops_in_order(first, fused, deferred, isa):
+@pytest.mark.parametrize("first,fused,deferred,native_decode,step", [
+    (True, False, False, False, "mixed"), (False, False, False, True, "mixed"), (False, True, True, False, "mixed"),
+    (False, False, False, False, "decode"), (False, False, False, True, "decode")])
+def test_native_decoder_layer_equals_its_ops_in_order(first, fused, deferred, native_decode, step, isa):
     """Flag native_decoder_layer's op is the layer the model class runs op by op with
-    native_attn_prologue: the same output, residual and KV cache, bit for bit, on a step that mixes
-    a decode (20 cached tokens) with a 2-token prefill; and without a step context, a clear error."""
+    native_attn_prologue: the same output, residual and KV cache, bit for bit. On a step that mixes
+    a decode (20 cached tokens) with a 2-token prefill, attention is vLLM-CPU's kernel even with
+    native_decode_attention; on a decode-only step (two sequences and a padding row) that flag
+    runs ours (decode_attention). Without a step context, a clear error."""
     from vllm import _custom_ops as ops
     from vllm_pypto import _C
 
@@ -228,10 +232,15 @@ def test_native_decoder_layer_equals_its_ops_in_order(first, fused, deferred, is
     norms = [(torch.rand(n, generator=g) * 2).to(BF16) for n in (H, hd, hd, H)]
     x = torch.randn(T, H, generator=g).to(BF16)
     residual = None if first else (torch.randn(T, H, generator=g) * 4).to(BF16)
-    positions = torch.tensor([20, 0, 1])
-    qsl, seq_lens = torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([21, 2], dtype=torch.int32)
     block_table = torch.tensor([[2, 0], [3, 5]], dtype=torch.int32)
-    slots = torch.tensor([2 * bs + 20, 3 * bs, 3 * bs + 1])  # position 20 of request 0: its block 2, slot 20
+    if step == "mixed":
+        positions, n = torch.tensor([20, 0, 1]), T
+        qsl, seq_lens = torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([21, 2], dtype=torch.int32)
+        slots = torch.tensor([2 * bs + 20, 3 * bs, 3 * bs + 1])  # position 20 of request 0: its block 2, slot 20
+    else:  # two decodes (positions 20 and 37: second block of request 1) and a padding row
+        positions, n = torch.tensor([20, 37, 0]), 2
+        qsl, seq_lens = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([21, 38], dtype=torch.int32)
+        slots = torch.tensor([2 * bs + 20, 5 * bs + 5])
     base = torch.randn(nb, nkv, bs, 2 * hd, generator=g).to(BF16)
     table, scale = L.rope_table(64, hd, 1e6), hd ** -0.5
     sched = ops.cpu_attn_get_scheduler_metadata(2, nq, nkv, hd, seq_lens, BF16, qsl, True, -1, "vec", False)
@@ -240,23 +249,98 @@ def test_native_decoder_layer_equals_its_ops_in_order(first, fused, deferred, is
     q, s, h = nat.rmsnorm_quant(x, residual, norms[0], 1e-6, deferred)
     qq, kk, vv = nat.linear_q(q, s, qkv).split([nq * hd, nkv * hd, nkv * hd], dim=-1)
     qr = nat.qk_norm_rope_cache(qq, kk, vv, positions, norms[1], norms[2], 1e-6, table, kv_a, slots, "vec")
-    attn = torch.empty(T, nq * hd, dtype=BF16)
+    attn = torch.zeros(T, nq * hd, dtype=BF16)
     kc, vc = kv_a.view(nb, nkv, 2 * bs, hd).chunk(2, dim=2)
-    ops.cpu_attention_with_kv_cache(qr.view(T, nq, hd), kc, vc, attn.view(T, nq, hd), qsl, seq_lens, scale, True,
-                                    None, -1, block_table, 0.0, sched, None)
+    ops.cpu_attention_with_kv_cache(qr[:n].view(n, nq, hd), kc, vc, attn[:n].view(n, nq, hd), qsl, seq_lens,
+                                    scale, True, None, -1, block_table, 0.0, sched, None)
+    if native_decode and step == "decode":
+        ours = torch.ops.pypto_cpu.decode_attention(qr[:n].view(n, nq, hd), kv_a, seq_lens, block_table, nkv, scale,
+                                                    "vec")
+        attn[:n] = ours
     q2, s2, h2 = nat.rmsnorm_quant(nat.linear(attn, o), h, norms[3], 1e-6, deferred)
     qa, sa = nat.gate_up_silu_quant(q2, s2, gu) if fused else nat.silu_mul_quant(nat.linear_q(q2, s2, gu))
     want = nat.linear_q(qa, sa, down)
 
     kv_b = base.clone()  # the one op, as layer 1 of a step
     weights = norms + [t for p in (qkv, o, gu, down) for t in p.values()]
-    args = (x, residual, positions, weights, 1, nq, nkv, 1e-6, 1e-6, table, scale, -1, 0.0, deferred, fused)
-    _C.decoder_layer_step([torch.empty(0), kv_b], slots, [qsl, seq_lens, block_table, sched], None, True, T, "vec")
+    args = (x, residual, positions, weights, 1, nq, nkv, 1e-6, 1e-6, table, scale, -1, 0.0, deferred, fused,
+            native_decode)
+    _C.decoder_layer_step([torch.empty(0), kv_b], slots, [qsl, seq_lens, block_table, sched], None, True, n, "vec")
     try:
-        got, res = torch.ops.pypto_cpu.decoder_layer(*args)
+        with torch.profiler.profile() as prof:  # which attention kernel ran (the two often agree in bf16)
+            got, res = torch.ops.pypto_cpu.decoder_layer(*args)
     finally:
         _C.decoder_layer_step_end()
+    ran = {e.name for e in prof.events()} & {"pypto_cpu::decode_attention", "_C::cpu_attention_with_kv_cache"}
+    assert ran == {"pypto_cpu::decode_attention" if native_decode and step == "decode" else
+                   "_C::cpu_attention_with_kv_cache"}
     assert _same_bf16(got, want) and torch.equal(res, h2)
     assert torch.equal(kv_a, kv_b) and not torch.equal(kv_b, base)
     with pytest.raises(RuntimeError, match="no step context"):
         torch.ops.pypto_cpu.decoder_layer(*args)
+
+
+def _paged(B, ctx, nkv, hd, bs, seed):
+    """A vLLM-CPU cache ('vec' interior) holding B sequences of ctx[b] tokens in shuffled blocks,
+    NaN in every slot past a sequence's end (never to be read into a result), and the same K and
+    V as dense fp32 [B][nkv, ctx, hd]."""
+    g = torch.Generator().manual_seed(seed)
+    need = [(c + bs - 1) // bs for c in ctx]
+    nb = sum(need) + 1
+    cache = torch.full((nb, nkv, bs, 2 * hd), float("nan"), dtype=BF16)
+    order = (torch.randperm(nb - 1, generator=g) + 1).tolist()  # block 0: vLLM's null block, unused
+    table = torch.zeros(B, max(need), dtype=torch.int32)
+    dense = []
+    for b, c in enumerate(ctx):
+        k = torch.randn(nkv, c, hd, generator=g).to(BF16)
+        v = torch.randn(nkv, c, hd, generator=g).to(BF16)
+        for j in range(need[b]):
+            blk = table[b, j] = order.pop()
+            n = min(bs, c - j * bs)
+            region = cache[blk].view(nkv, 2 * bs * hd)  # per head: K (d-major, [hd, bs]), then V ([bs, hd])
+            region[:, :bs * hd].view(nkv, hd, bs)[:, :, :n] = k[:, j * bs:j * bs + n].transpose(1, 2)
+            region[:, bs * hd:].view(nkv, bs, hd)[:, :n] = v[:, j * bs:j * bs + n]
+        dense.append((k.float(), v.float()))
+    return cache, table, dense
+
+
+@native
+@pytest.mark.parametrize("nq,nkv,bs", [(4, 2, 32), (6, 1, 32), (8, 8, 32), (8, 2, 32), (4, 2, 16)])
+def test_native_decode_attention_is_fp32_attention(nq, nkv, bs):
+    """Flag native_decode_attention's kernel: per sequence, softmax(q k^T * scale) v in fp32, rounded
+    once to bf16, over the blocks of its table (ragged lengths, a 1-token sequence, a partial last
+    block, NaN past the end); the same bits on one thread and on all; within bf16 rounding of
+    vLLM-CPU's own kernel. The cases cover each register tile (GQA groups 1-2: 32 lanes, or 16
+    where 32 does not divide the block; 4: 16; 6: 8). One AVX2 + FMA kernel serves every ISA path,
+    so there is no `isa` fixture here."""
+    from vllm import _custom_ops as ops
+
+    B, hd, ctx = 3, 64, [1, 37, 300]
+    cache, table, dense = _paged(B, ctx, nkv, hd, bs, seed=nq * 10 + nkv)
+    q = torch.randn(B, nq, hd, generator=torch.Generator().manual_seed(1)).to(BF16)
+    lens, scale = torch.tensor(ctx, dtype=torch.int32), hd ** -0.5
+    got = torch.ops.pypto_cpu.decode_attention(q, cache, lens, table, nkv, scale, "vec")
+    assert got.shape == (B, nq * hd) and not got.isnan().any()
+    for b, (k, v) in enumerate(dense):
+        kk, vv = k.repeat_interleave(nq // nkv, 0), v.repeat_interleave(nq // nkv, 0)  # [nq, ctx, hd]
+        p = torch.softmax((q[b].float()[:, None, :] * scale * kk).sum(-1), dim=-1)
+        want = (p[:, :, None] * vv).sum(1).reshape(-1)
+        torch.testing.assert_close(got[b].float(), want, rtol=2 ** -7, atol=1e-5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(torch.ops.pypto_cpu.decode_attention(q, cache, lens, table, nkv, scale, "vec"), got)
+    finally:
+        torch.set_num_threads(threads)
+    qsl = torch.arange(B + 1, dtype=torch.int32)
+    interior = "vec" if bs % 32 == 0 else "vec16"  # vLLM-CPU's choice by block size; the same layout
+    assert torch.equal(torch.ops.pypto_cpu.decode_attention(q, cache, lens, table, nkv, scale, interior), got)
+    sched = ops.cpu_attn_get_scheduler_metadata(B, nq, nkv, hd, lens, BF16, qsl, True, -1, interior, False)
+    theirs = torch.empty(B, nq, hd, dtype=BF16)  # vLLM-CPU's kernel lets NaN past the end through: zeros there
+    kc, vc = cache.nan_to_num(0).view(cache.shape[0], nkv, 2 * bs, hd).chunk(2, dim=2)
+    ops.cpu_attention_with_kv_cache(q, kc, vc, theirs, qsl, lens, scale, True, None, -1, table, 0.0, sched, None)
+    torch.testing.assert_close(got.float(), theirs.view(B, -1).float(), rtol=2 ** -7, atol=1e-5)
+    with pytest.raises(RuntimeError, match="not supported"):
+        torch.ops.pypto_cpu.decode_attention(q, cache, lens, table, nkv, scale, "amx")
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.pypto_cpu.decode_attention(q, cache, lens, table + 1000, nkv, scale, "vec")

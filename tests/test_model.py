@@ -26,7 +26,8 @@ from test_golden import MAX_TOL, MEAN_TOL, check, gate
 # under 30 minutes on an AVX2-only EPYC, where it took 35 with them
 FLAGS = ["fused_qk_norm_rope", "deferred_rms", "fused_gate_up_silu",
          pytest.param("native_attn_prologue", marks=pytest.mark.slow),
-         pytest.param("native_decoder_layer", marks=pytest.mark.slow)]
+         pytest.param("native_decoder_layer", marks=pytest.mark.slow),
+         pytest.param("native_decoder_layer,native_decode_attention", marks=pytest.mark.slow)]
 
 
 def _dispatches(model: str, tmp_path, *args: str) -> dict:
@@ -83,6 +84,13 @@ def test_native_decoder_layer_refuses_a_backend_without_it(tiny_w8a8, tmp_path):
     with pytest.raises(RuntimeError, match="flag native_decoder_layer needs the native CPU kernels"):
         run_generate(tiny_w8a8, str(tmp_path / "ref.json"), "--quantization", "pypto-a8w8", max_tokens=2,
                      env={"VLLM_PYPTO_FLAGS": "native_decoder_layer", "VLLM_PYPTO_BACKEND": "reference"})
+
+
+@pytest.mark.slow
+def test_native_decode_attention_needs_native_decoder_layer(tiny_w8a8, tmp_path):
+    with pytest.raises(RuntimeError, match="flag native_decode_attention runs inside flag native_decoder_layer's op"):
+        run_generate(tiny_w8a8, str(tmp_path / "alone.json"), "--quantization", "pypto-a8w8", max_tokens=2,
+                     env={"VLLM_PYPTO_FLAGS": "native_decode_attention"})
 
 
 @pytest.fixture(scope="module")

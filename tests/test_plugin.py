@@ -42,7 +42,8 @@ def test_flags_registry():
     assert flags.parse(" bf16_down_proj , ") == {"bf16_down_proj"}
     with pytest.raises(ValueError, match=r"unknown pypto-a8w8 flag\(s\) \['fast_everything'\]; valid flags: "
                                          r"bf16_down_proj, deferred_rms, fast_top_k_top_p, fused_gate_up_silu, "
-                                         r"fused_qk_norm_rope, int8_lm_head, native_attn_prologue, native_decoder_layer$"):
+                                         r"fused_qk_norm_rope, int8_lm_head, native_attn_prologue, native_decode_attention, "
+                                         r"native_decoder_layer$"):
         flags.parse(["fast_everything"])
     with pytest.raises(ValueError, match="exist only to test the quality checks"):
         flags.parse("guardrail_broken_q_rope")

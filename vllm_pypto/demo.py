@@ -20,8 +20,9 @@ from .tools.server import VllmServer
 PROMPT = "介绍一下北京故宫"
 
 
-def chat_once(base_url: str, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed chat request; TTFT = first content token, TPOT = the rest per token."""
+def chat_once(base_url: str, model: str, prompt: str, max_tokens: int, extra_body: dict | None = None) -> dict:
+    """One streamed chat request; TTFT = first content token, TPOT = the rest per token.
+    extra_body: the request's non-OpenAI fields (default: vLLM's, no thinking and ignore_eos)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url + "/v1", api_key="EMPTY")
@@ -31,7 +32,8 @@ def chat_once(base_url: str, model: str, prompt: str, max_tokens: int) -> dict:
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
         temperature=0.0, stream=True, stream_options={"include_usage": True},
-        extra_body={"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True})
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True} if extra_body is None
+        else extra_body)
     for chunk in stream:
         if chunk.usage is not None:
             completion_tokens = chunk.usage.completion_tokens

@@ -58,6 +58,16 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
          "native_attn_prologue: per-round median of 16 paired rounds (both servers up, requests alternating; lower "
          "in 12 of 16 rounds on each; a second 1.7B run -10%), Zen 4 EPYC; -9% on 0.6B forced onto avx2 (11 of 16); unpaired one-at-a-time "
          "runs read -11% to +5%; tokens unchanged"),
+    Flag("native_decode_attention",
+         "vLLM-CPU only, with native_decoder_layer: on a decode-only step (one query token per sequence), "
+         "attention is our kernel (csrc/decode_attention.cpp: one task per sequence and KV head reads K and V "
+         "once, fp32 softmax) instead of vLLM-CPU's tiled kernel; steps with a prefill keep vLLM-CPU's. "
+         "Textbook fp32 attention, not vLLM-CPU's bits: outputs differ by bf16 rounding. vLLM-CPU's AMX "
+         "cache interior (Xeons with AMX) keeps vLLM-CPU's kernel, with a warning",
+         "experimental", "served batch 1 with the short chat prompt: none measurable (1.7B, 12 paired rounds: 1.00x, "
+         "0.86-1.18), Zen 3 EPYC; 128-token prompts, one unpaired run each: -8% (1.7B) / -2% (0.6B); the kernel "
+         "alone 0.25-0.72x vLLM-CPU's attention time a layer (benchmarks/attention.py); concurrency 16 not "
+         "measured served"),
     Flag("fast_top_k_top_p",
          "vLLM-CPU's top-k + top-p sampling filter (Qwen3's generation_config asks for top_k 20, top_p 0.95) on "
          "the largest max(k)+64 logits instead of a sort of the whole vocabulary; the kept tokens are vLLM's, bit "

@@ -133,6 +133,9 @@ def _register_native_fakes() -> None:
     torch.library.register_fake("pypto_cpu::gate_up_silu_quant")(
         lambda q, scale, packed, comp, weight_scale: list(_gate_up_silu_quant_fake(q, scale, weight_scale)))
     torch.library.register_fake("pypto_cpu::qk_norm_rope_cache")(_qk_norm_rope_cache_fake)
+    torch.library.register_fake("pypto_cpu::decode_attention")(
+        lambda q, kv_cache, seq_lens, block_table, num_kv_heads, scale, interior:
+        q.new_empty(q.shape[0], q.shape[1] * q.shape[2]))
     torch.library.register_fake("pypto_cpu::decoder_layer")(
         lambda x, residual, positions, weights, *layer_args: [torch.empty_like(x), torch.empty_like(x)])
 

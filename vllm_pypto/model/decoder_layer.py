@@ -7,7 +7,8 @@ that glue cost about 150 us a layer, a sixth of a 0.6B step (docs/performance.md
 the compiled graph calls one native op a layer (`torch.ops.pypto_cpu.decoder_layer`,
 csrc/decoder_layer.cpp), which runs the same kernels in the same order, vLLM-CPU's attention
 kernel included (through the torch dispatcher). So its output is native_attn_prologue's, bit for
-bit, with deferred_rms and fused_gate_up_silu as set.
+bit, with deferred_rms and fused_gate_up_silu as set. With flag native_decode_attention, a
+decode-only step's attention is ours (csrc/decode_attention.cpp) instead of vLLM-CPU's kernel.
 
 What the op needs of vLLM's forward context (each layer's KV cache, the slot mapping, the
 attention metadata) is handed to the extension once a step by `step()`, which the model class
@@ -22,6 +23,7 @@ import contextlib
 import torch
 
 from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import RowParallelLinear
 from vllm.model_executor.models.utils import extract_layer_index
 
@@ -30,6 +32,9 @@ from ..quant.linear import PyptoA8W8LinearMethod
 from . import attn_prologue
 
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+DECODE_INTERIORS = ("vec", "vec16")  # the cache layouts csrc/decode_attention.cpp reads
+
+logger = init_logger(__name__)
 
 
 def _linear(layer, path: str):
@@ -82,6 +87,10 @@ def step(layers):
     interior = getattr(attn[0], "isa", None)
     if slot_mapping is not None and caches[layers[0].pypto_layer_index].numel() > 0:
         attn_prologue.check_interior(interior, "native_decoder_layer")
+        if "native_decode_attention" in layers[0].flags and interior not in DECODE_INTERIORS:
+            logger.warning_once("pypto-a8w8: flag native_decode_attention reads the 'vec' and 'vec16' cache interiors; "
+                                "vLLM-CPU packs this cache as %r (AMX), so decode steps keep vLLM-CPU's attention "
+                                "kernel", interior)
     if m is None:  # a warm-up or profiling pass: no attention, as vLLM-CPU's own forward
         _C.decoder_layer_step(caches, slot_mapping, [], None, True, 0, interior or "vec")
     else:
@@ -107,5 +116,5 @@ def forward(layer, positions: torch.Tensor, hidden_states: torch.Tensor,
         hidden_states, residual, positions, weights, layer.pypto_layer_index, attn.attn.num_heads,
         attn.attn.num_kv_heads, layer.input_layernorm.variance_epsilon, attn.q_norm.variance_epsilon,
         layer.pypto_cos_sin, impl.scale, impl.sliding_window, float(impl.logits_soft_cap),
-        "deferred_rms" in layer.flags, "fused_gate_up_silu" in layer.flags)
+        "deferred_rms" in layer.flags, "fused_gate_up_silu" in layer.flags, "native_decode_attention" in layer.flags)
     return out, residual

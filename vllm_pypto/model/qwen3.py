@@ -67,6 +67,8 @@ class PyptoQwen3DecoderLayer(Qwen3DecoderLayer):
         # the guardrail's broken RoPE exists in the torch path only: it keeps that path
         native = "guardrail_broken_q_rope" not in self.flags
         self.one_op = native and "native_decoder_layer" in self.flags
+        if "native_decode_attention" in self.flags and not self.one_op:
+            raise ValueError("flag native_decode_attention runs inside flag native_decoder_layer's op; set both")
         self.prologue = native and ("native_attn_prologue" in self.flags or self.one_op)
         if self.prologue:
             max_len = get_current_vllm_config().model_config.max_model_len
