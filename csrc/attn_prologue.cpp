@@ -4,43 +4,61 @@
 // fp32 with one bf16 rounding, and K and V written into vLLM-CPU's paged cache at slot_mapping in
 // the order its attention ISA reads them (kernels/ascend/paging.py INTERIORS).
 //
-// Plain C++ with no ISA attributes, so it is the same code on every ISA path; this translation unit
-// is built without -mfma, so the compiler cannot contract the RoPE's a*b - c*d into an FMA, which
-// would round once where the reference rounds twice.
+// AVX2 without FMA, the same code on every ISA path (all of them have AVX2): nothing here may
+// contract the RoPE's a*b - c*d into an FMA, which would round once where the reference rounds twice.
 
 #include <ATen/Parallel.h>
 
 #include <cmath>
 
+#include "avx2.h"
 #include "ops.h"
 
 namespace a8w8 {
 
-namespace {
-
 using bf16 = at::BFloat16;
 
-// x bf16 [hd] -> fp32 x * rinv * gamma, rinv = 1/sqrt(mean(x^2) + eps) from an fp64 sum
-void head_norm(const bf16* x, const bf16* gamma, int64_t hd, double eps, float* out) {
-  double ss = 0.0;
-  for (int64_t i = 0; i < hd; ++i) {
-    const double v = static_cast<float>(x[i]);
-    ss += v * v;
+// AVX2 code in a8w8::avx2, where the ISA checks (test_native_cpu.py) expect 256-bit registers
+namespace avx2 {
+namespace {
+
+// One head: x bf16 [hd] -> bf16 out [hd], RMS-normed (rinv = 1/sqrt(mean(x^2) + eps)), times
+// gamma, and rotated with cs = cos [hd/2] | sin [hd/2]; hd a multiple of 16 (every head size
+// vLLM-CPU's attention takes). The squares of bf16 values are exact in fp64 and so, in practice,
+// is their sum in any order (the reference's torch reduction has its own): 4 x 4 partial sums.
+// AVX2 without FMA, so a*c - b*s rounds after each product as in the reference.
+AVX2_ONLY_TARGET void norm_rope(const bf16* x, const bf16* gamma, int64_t hd, double eps, const float* cs,
+                                float* xf, bf16* out) {
+  const auto* xb = reinterpret_cast<const uint16_t*>(x);
+  const auto* gb = reinterpret_cast<const uint16_t*>(gamma);
+  __m256d ss[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+  for (int64_t i = 0; i < hd; i += 8) {
+    const __m256 v = avx2::load8_bf16(xb + i);
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    const int p = (i / 8) % 2 * 2;
+    ss[p] = _mm256_add_pd(ss[p], _mm256_mul_pd(lo, lo));
+    ss[p + 1] = _mm256_add_pd(ss[p + 1], _mm256_mul_pd(hi, hi));
   }
-  const float rinv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(hd) + eps));
-  for (int64_t i = 0; i < hd; ++i) out[i] = (static_cast<float>(x[i]) * rinv) * static_cast<float>(gamma[i]);
+  alignas(32) double part[4];
+  _mm256_store_pd(part, _mm256_add_pd(_mm256_add_pd(ss[0], ss[1]), _mm256_add_pd(ss[2], ss[3])));
+  const double sum = (part[0] + part[1]) + (part[2] + part[3]);
+  const __m256 rinv = _mm256_set1_ps(static_cast<float>(1.0 / std::sqrt(sum / static_cast<double>(hd) + eps)));
+  for (int64_t i = 0; i < hd; i += 8)
+    _mm256_storeu_ps(xf + i, _mm256_mul_ps(_mm256_mul_ps(avx2::load8_bf16(xb + i), rinv), avx2::load8_bf16(gb + i)));
+  const int64_t half = hd / 2;
+  auto* ob = reinterpret_cast<uint16_t*>(out);
+  for (int64_t i = 0; i < half; i += 8) {
+    const __m256 a = _mm256_loadu_ps(xf + i), b = _mm256_loadu_ps(xf + half + i);
+    const __m256 c = _mm256_loadu_ps(cs + i), sn = _mm256_loadu_ps(cs + half + i);
+    avx2::store8_bf16(ob + i, avx2::to_bf16(_mm256_sub_ps(_mm256_mul_ps(a, c), _mm256_mul_ps(b, sn))));
+    avx2::store8_bf16(ob + half + i, avx2::to_bf16(_mm256_add_ps(_mm256_mul_ps(b, c), _mm256_mul_ps(a, sn))));
+  }
 }
 
-// rotate-half RoPE of fp32 x [hd] with cs = cos [hd/2] | sin [hd/2], rounded to bf16 once
-void rope_round(const float* x, const float* cs, int64_t hd, bf16* out) {
-  const int64_t half = hd / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const float c = cs[i], s = cs[half + i];
-    const float a = x[i] * c, b = x[half + i] * s, e = x[half + i] * c, f = x[i] * s;
-    out[i] = bf16(a - b);
-    out[half + i] = bf16(e + f);
-  }
-}
+}  // namespace
+}  // namespace avx2
+
+namespace {
 
 // element offset of token slot t's dimension d inside a (block, head)'s K region and V region
 struct Interior {
@@ -67,8 +85,9 @@ torch::Tensor qk_norm_rope_cache(torch::Tensor q, torch::Tensor k, torch::Tensor
                   v.scalar_type() == torch::kBFloat16,
               "qk_norm_rope_cache: q, k, v must be bf16");
   TORCH_CHECK(q.stride(1) == 1 && k.stride(1) == 1 && v.stride(1) == 1, "qk_norm_rope_cache: rows must be dense");
-  TORCH_CHECK(hd % 2 == 0 && q.size(1) % hd == 0 && k.size(1) % hd == 0 && k.size(1) == v.size(1),
-              "qk_norm_rope_cache: widths must be whole heads of ", hd);
+  TORCH_CHECK(__builtin_cpu_supports("avx2"), "qk_norm_rope_cache: this CPU has no AVX2, which the kernel is built for");
+  TORCH_CHECK(hd % 16 == 0 && q.size(1) % hd == 0 && k.size(1) % hd == 0 && k.size(1) == v.size(1),
+              "qk_norm_rope_cache: widths must be whole heads of ", hd, " (a multiple of 16)");
   TORCH_CHECK(k_gamma.numel() == hd && q_gamma.scalar_type() == torch::kBFloat16 &&
                   k_gamma.scalar_type() == torch::kBFloat16,
               "qk_norm_rope_cache: q and k norm weights must be bf16 [head_dim]");
@@ -114,22 +133,21 @@ torch::Tensor qk_norm_rope_cache(torch::Tensor q, torch::Tensor k, torch::Tensor
   const float* table = cos_sin.data_ptr<float>();
   bf16* op = out.data_ptr<bf16>();
   const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0);
-  // one task per (token, head): q heads first, then kv heads, which also write the cache
-  at::parallel_for(0, T * (nq + nkv), 16, [&](int64_t begin, int64_t end) {
+  // one task per (token, head): q heads first, then kv heads, which also write the cache. A task
+  // takes tens of ns: a decode step's few heads run on the calling thread, not a forked team.
+  at::parallel_for(0, T * (nq + nkv), 64, [&](int64_t begin, int64_t end) {
     std::vector<float> xf(hd);
     std::vector<bf16> kr(hd);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / (nq + nkv), h = i % (nq + nkv);
       const float* cs = table + pp[t] * hd;
       if (h < nq) {
-        head_norm(qp + t * qs + h * hd, qg, hd, eps, xf.data());
-        rope_round(xf.data(), cs, hd, op + t * nq * hd + h * hd);
+        avx2::norm_rope(qp + t * qs + h * hd, qg, hd, eps, cs, xf.data(), op + t * nq * hd + h * hd);
         continue;
       }
       const int64_t kh = h - nq;
       if (cache == nullptr || t >= n_slots || sp[t] < 0) continue;  // no cache to write, or a padding row
-      head_norm(kp + t * ks + kh * hd, kg, hd, eps, xf.data());
-      rope_round(xf.data(), cs, hd, kr.data());
+      avx2::norm_rope(kp + t * ks + kh * hd, kg, hd, eps, cs, xf.data(), kr.data());
       const int64_t blk = sp[t] / bs, slot = sp[t] % bs;
       bf16* base = cache + (blk * nkv + kh) * (2 * bs * hd);
       const bf16* vrow = vp + t * vs + kh * hd;

@@ -21,20 +21,20 @@
 
 #include <cmath>
 
+#include "avx2.h"
 #include "ops.h"
 
 namespace a8w8 {
 
+using bf16 = at::BFloat16;
+
+// AVX2 code in a8w8::avx2, where the ISA checks (test_native_cpu.py) expect 256-bit registers
+namespace avx2 {
 namespace {
 
 #define DA_TARGET __attribute__((target("avx2,fma")))
 
-using bf16 = at::BFloat16;
-
-DA_TARGET inline __m256 bf16x8(const bf16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+DA_TARGET inline __m256 bf16x8(const bf16* p) { return load8_bf16(reinterpret_cast<const uint16_t*>(p)); }
 
 // exp(x) for x <= 0 (a score minus the row max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2],
 // Cephes' degree-6 polynomial; below -87 it is 0, as expf underflows.
@@ -226,6 +226,10 @@ HeadFn head_fn(int64_t G, int64_t bs, int64_t hd) {
 }
 
 }  // namespace
+}  // namespace avx2
+
+using avx2::Head;
+using avx2::HeadFn;
 
 bool decode_attention_fits(int64_t num_heads, int64_t num_kv_heads, int64_t hd, const std::string& interior) {
   return (interior == "vec" || interior == "vec16") && num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
@@ -268,7 +272,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::T
   const bf16* qp = q.data_ptr<bf16>();
   const bf16* cache = kv_cache.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
-  const HeadFn fn = head_fn(G, bs, hd);
+  const HeadFn fn = avx2::head_fn(G, bs, hd);
   const auto head = [&](int64_t i) {
     const int64_t b = i / num_kv_heads;
     return Head{cache, table + b * row, lens[b], bs, hd, num_kv_heads, i % num_kv_heads};
@@ -276,7 +280,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::T
   at::parallel_for(0, B * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * hd), s(G * (longest + 32)), acc(G * hd);
     Head h = head(begin), then = h;
-    prefetch_all(k_lines(h, 0));  // later tasks' first regions stream in during the task before
+    avx2::prefetch_all(avx2::k_lines(h, 0));  // later tasks' first regions stream in during the task before
     for (int64_t i = begin; i < end; ++i, h = then) {
       if (i + 1 < end) then = head(i + 1);
       const int64_t b = i / num_kv_heads;

@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "a8w8.h"
+#include "avx2.h"
 
 #define AVX2_TARGET __attribute__((target("avx2,fma")))
 
@@ -18,13 +19,6 @@ namespace a8w8::avx2 {
 
 namespace {
 
-// 8 (or the first n < 8) bf16 values widened to fp32 exactly; lanes past n are 0.
-AVX2_TARGET inline __m256 load8_bf16(const uint16_t* p, int64_t n = 8) {
-  alignas(16) uint16_t t[8] = {};
-  if (n < 8) std::memcpy(t, p, n * 2), p = t;
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 AVX2_TARGET inline __m256 load8_f32(const float* p, int64_t n) {
   alignas(32) float t[8] = {};
   if (n < 8) std::memcpy(t, p, n * 4), p = t;
@@ -34,22 +28,6 @@ AVX2_TARGET inline __m256i load8_i32(const int32_t* p, int64_t n) {
   alignas(32) int32_t t[8] = {};
   if (n < 8) std::memcpy(t, p, n * 4), p = t;
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-}
-
-// fp32 -> bf16 as the AVX-512 path: round to nearest even, NaN kept NaN.
-AVX2_TARGET inline __m128i to_bf16(__m256 v) {
-  const __m256i b = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_srli_epi32(_mm256_blendv_epi8(r, _mm256_or_si256(b, _mm256_set1_epi32(0x400000)), nan), 16);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-AVX2_TARGET inline void store8_bf16(uint16_t* p, __m128i v, int64_t n = 8) {
-  if (n >= 8) return _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v);
-  alignas(16) uint16_t t[8];
-  _mm_store_si128(reinterpret_cast<__m128i*>(t), v);
-  std::memcpy(p, t, n * 2);
 }
 
 // The epilogue for 8 channels from n (cnt of them): int32 out, or (acc * ws[n]) * as in bf16.

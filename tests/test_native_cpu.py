@@ -211,8 +211,9 @@ def test_isa_path_chosen_by_environment(monkeypatch):
 def test_no_avx512_outside_the_avx512_and_amx_paths():
     """One build must load and run on an AVX2-only CPU (an AMD EPYC Zen 3), where one AVX-512
     instruction is a SIGILL. Read from the built library itself: the AVX2 and AVX-VNNI functions
-    hold no zmm or mask register, the shared code (ops, selection) not even a ymm one, and the
-    AVX-VNNI GEMM really uses vpdpbusd."""
+    (a8w8::avx2, which also holds the AVX2 kernels every path shares: decode attention and the
+    attention prologue's per-head norm and RoPE) hold no zmm or mask register, the shared code
+    (ops, selection) not even a ymm one, and the AVX-VNNI GEMM really uses vpdpbusd."""
     import shutil
 
     from vllm_pypto import _C
