@@ -64,10 +64,10 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
          "once, fp32 softmax) instead of vLLM-CPU's tiled kernel; steps with a prefill keep vLLM-CPU's. "
          "Textbook fp32 attention, not vLLM-CPU's bits: outputs differ by bf16 rounding. vLLM-CPU's AMX "
          "cache interior (Xeons with AMX) keeps vLLM-CPU's kernel, with a warning",
-         "experimental", "served batch 1 with the short chat prompt: none measurable (1.7B, 12 paired rounds: 1.00x, "
-         "0.86-1.18), Zen 3 EPYC; 128-token prompts, one unpaired run each: -8% (1.7B) / -2% (0.6B); the kernel "
-         "alone 0.25-0.72x vLLM-CPU's attention time a layer (benchmarks/attention.py); concurrency 16 not "
-         "measured served"),
+         "experimental", "served batch 1, 1.7B, per-round median of 12 paired rounds: -7% with a ~1,000-token prompt "
+         "(0.74-1.26; Zen 4 EPYC), none measurable with the short chat prompt (1.00x, 0.86-1.18; Zen 3 EPYC); "
+         "concurrency 16, 128-token prompts, one unpaired run: +3% output tokens/s (Zen 4); the kernel alone "
+         "0.54-0.78x (Zen 4) / 0.25-0.72x (Zen 3) vLLM-CPU's attention time a layer (benchmarks/attention.py)"),
     Flag("fast_top_k_top_p",
          "vLLM-CPU's top-k + top-p sampling filter (Qwen3's generation_config asks for top_k 20, top_p 0.95) on "
          "the largest max(k)+64 logits instead of a sort of the whole vocabulary; the kept tokens are vLLM's, bit "
