@@ -134,7 +134,8 @@ torch::Tensor qk_norm_rope_cache(torch::Tensor q, torch::Tensor k, torch::Tensor
   bf16* op = out.data_ptr<bf16>();
   const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0);
   // one task per (token, head): q heads first, then kv heads, which also write the cache. A task
-  // takes tens of ns: a decode step's few heads run on the calling thread, not a forked team.
+  // takes well under a microsecond: a decode step's few heads run on the calling thread, not a
+  // forked team.
   at::parallel_for(0, T * (nq + nkv), 64, [&](int64_t begin, int64_t end) {
     std::vector<float> xf(hd);
     std::vector<bf16> kr(hd);
