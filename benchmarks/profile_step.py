@@ -20,7 +20,7 @@ Parts, per decode step:
   engine     the rest of the step: scheduler, input preparation, output processing
 The step is timed once more without the profiler (median of --steps), so the profiler's own
 overhead shows as the difference of the two totals. Writes
-results/<date>-<machine>-profile-<shape>.{json,md,png}.
+results/<date>-<machine>-profile-<shape>[-tag].{json,md,png}.
 """
 
 from __future__ import annotations
@@ -218,6 +218,7 @@ def main() -> int:
     ap.add_argument("--checkpoints", default="checkpoints")
     ap.add_argument("--out", default="results")
     ap.add_argument("--greedy", action="store_true", help="argmax sampling, not the checkpoint's defaults")
+    ap.add_argument("--tag", default="", help="appended to the results file name")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: profile this config here, JSON to --out
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
@@ -257,7 +258,7 @@ def main() -> int:
               "command": " ".join(sys.argv), "shape": a.shape, "dram_read_gbs": max(bw), "dram_read_probes": bw,
               "rows": rows}
     md = markdown(report)
-    stem = report_file.write(a.out, f"profile-{a.shape}", report, md)
+    stem = report_file.write(a.out, f"profile-{a.shape}" + (f"-{a.tag}" if a.tag else ""), report, md)
     plot(report, stem + ".png")
     print("\n" + md + f"\n\nwrote {stem}.json, {stem}.md, {stem}.png")
     return 0

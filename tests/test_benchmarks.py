@@ -289,7 +289,8 @@ def test_profile_step_breaks_a_decode_step_down(tmp_path):
     """Every part of a decode step is found (our GEMMs, the int8 head, vLLM's attention and cache
     write, our row ops, the sampler, the engine), and the parts add up to the profiled step, not more."""
     r = run_script("profile_step.py", "--shape", "tiny", "--configs", "pypto-a8w8:w8a8+int8_lm_head",
-                   "--batches", "1,2", "--steps", "4", "--checkpoints", str(tmp_path / "ckpt"), "--out", str(tmp_path))
+                   "--batches", "1,2", "--steps", "4", "--checkpoints", str(tmp_path / "ckpt"), "--out", str(tmp_path),
+                   "--tag", "t")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = only_json(tmp_path)
     (row,) = rep["rows"]
@@ -303,6 +304,7 @@ def test_profile_step_breaks_a_decode_step_down(tmp_path):
         assert ("linears", "pypto_cpu::a8w8_linear_q") in ops and ("attention", "_C::cpu_attention_with_kv_cache") in ops
         assert m["bytes"]["lm_head"] == 151936 * 256  # int8 head: one byte a weight
     assert {n.rsplit(".", 1)[1] for n in os.listdir(tmp_path) if "profile" in n} == {"json", "md", "png"}
+    assert all(n.rsplit(".", 1)[0].endswith("-profile-tiny-t") for n in os.listdir(tmp_path) if "profile" in n)
 
 
 def serving_metrics() -> list[str]:
