@@ -33,7 +33,7 @@ AVX2_ONLY_TARGET void norm_rope(const bf16* x, const bf16* gamma, int64_t hd, do
   const auto* gb = reinterpret_cast<const uint16_t*>(gamma);
   __m256d ss[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
   for (int64_t i = 0; i < hd; i += 8) {
-    const __m256 v = avx2::load8_bf16(xb + i);
+    const __m256 v = load8_bf16(xb + i);
     const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
     const int p = (i / 8) % 2 * 2;
     ss[p] = _mm256_add_pd(ss[p], _mm256_mul_pd(lo, lo));
@@ -44,14 +44,14 @@ AVX2_ONLY_TARGET void norm_rope(const bf16* x, const bf16* gamma, int64_t hd, do
   const double sum = (part[0] + part[1]) + (part[2] + part[3]);
   const __m256 rinv = _mm256_set1_ps(static_cast<float>(1.0 / std::sqrt(sum / static_cast<double>(hd) + eps)));
   for (int64_t i = 0; i < hd; i += 8)
-    _mm256_storeu_ps(xf + i, _mm256_mul_ps(_mm256_mul_ps(avx2::load8_bf16(xb + i), rinv), avx2::load8_bf16(gb + i)));
+    _mm256_storeu_ps(xf + i, _mm256_mul_ps(_mm256_mul_ps(load8_bf16(xb + i), rinv), load8_bf16(gb + i)));
   const int64_t half = hd / 2;
   auto* ob = reinterpret_cast<uint16_t*>(out);
   for (int64_t i = 0; i < half; i += 8) {
     const __m256 a = _mm256_loadu_ps(xf + i), b = _mm256_loadu_ps(xf + half + i);
     const __m256 c = _mm256_loadu_ps(cs + i), sn = _mm256_loadu_ps(cs + half + i);
-    avx2::store8_bf16(ob + i, avx2::to_bf16(_mm256_sub_ps(_mm256_mul_ps(a, c), _mm256_mul_ps(b, sn))));
-    avx2::store8_bf16(ob + half + i, avx2::to_bf16(_mm256_add_ps(_mm256_mul_ps(b, c), _mm256_mul_ps(a, sn))));
+    store8_bf16(ob + i, to_bf16(_mm256_sub_ps(_mm256_mul_ps(a, c), _mm256_mul_ps(b, sn))));
+    store8_bf16(ob + half + i, to_bf16(_mm256_add_ps(_mm256_mul_ps(b, c), _mm256_mul_ps(a, sn))));
   }
 }
 
