@@ -1,4 +1,5 @@
-// The torch ops of ops.cpp, attn_prologue.cpp, decode_attention.cpp and decoder_layer.cpp, for register.cpp.
+// The torch ops of ops.cpp, attn_prologue.cpp, decode_attention.cpp, decoder_layer.cpp and sampling.cpp, for
+// register.cpp.
 #pragma once
 
 #include <torch/extension.h>
@@ -34,6 +35,8 @@ void decoder_layer_step(std::vector<torch::Tensor> kv_caches, std::optional<torc
                         std::vector<torch::Tensor> meta, std::optional<torch::Tensor> dynamic_causal, bool causal,
                         int64_t num_actual_tokens, std::string interior);
 void decoder_layer_step_end();
+std::vector<torch::Tensor> top_candidates(torch::Tensor logits, int64_t width);
+torch::Tensor gumbel_argmax_at(torch::Tensor vals, torch::Tensor idx, torch::Tensor seeds);
 int64_t read_probe(torch::Tensor buf);
 double int8_peak_gops(int64_t iters);
 

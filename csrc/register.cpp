@@ -19,6 +19,8 @@ TORCH_LIBRARY(pypto_cpu, m) {
         "bool deferred, bool fused_gate_up_silu, bool native_decode) -> Tensor[]");
   m.def("decode_attention(Tensor q, Tensor kv_cache, Tensor seq_lens, Tensor block_table, int num_kv_heads, "
         "float scale, str interior) -> Tensor");
+  m.def("top_candidates(Tensor logits, int width) -> Tensor[]");
+  m.def("gumbel_argmax_at(Tensor vals, Tensor idx, Tensor seeds) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pypto_cpu, CPU, m) {
@@ -33,6 +35,8 @@ TORCH_LIBRARY_IMPL(pypto_cpu, CPU, m) {
   m.impl("qk_norm_rope_cache", &a8w8::qk_norm_rope_cache);
   m.impl("decoder_layer", &a8w8::decoder_layer);
   m.impl("decode_attention", &a8w8::decode_attention);
+  m.impl("top_candidates", &a8w8::top_candidates);
+  m.impl("gumbel_argmax_at", &a8w8::gumbel_argmax_at);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

