@@ -219,6 +219,25 @@ def test_attention_script_sets_the_kernels_side_by_side(tmp_path):
     assert [n for n in os.listdir(out) if n.endswith(".md")][0].endswith("-attention-t.md")
 
 
+def test_sampler_script_sets_the_three_ways_side_by_side(tmp_path):
+    """benchmarks/sampler.py: vLLM's filter and draw, the flag with torch.topk and (where our library
+    runs) the flag's native path, every way timed in every round and drawing the same tokens."""
+    out = tmp_path / "results"
+    r = run_script("sampler.py", "--batches", "1,3", "--vocab", "5003", "--rounds", "3", "--out", str(out),
+                   "--tag", "t")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = only_json(out)
+    assert [row["batch"] for row in rep["rows"]] == [1, 3]
+    native = {"avx2", "fma"} <= set(cpu_isa_flags())
+    for row in rep["rows"]:
+        ways = ["vllm", "flag-topk"] + (["flag-native"] if native else [])
+        assert sorted(row["ms_all"]) == sorted(ways) and all(len(t) == 3 for t in row["ms_all"].values())
+        if native:
+            q = row["native_over_vllm"]
+            assert q["min"] <= q["median"] <= q["max"]
+    assert [n for n in os.listdir(out) if n.endswith(".md")][0].endswith("-sampler-t.md")
+
+
 @pytest.mark.slow  # two servers at once (~2 min): make test-slow, which CI runs
 def test_tpot_script_pairs_the_configs_round_by_round(tmp_path):
     """--paired: the servers up at once, the requests round-robin; every round's TPOT against the

@@ -76,7 +76,9 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
          "drawn token is its draw's (rows where vLLM's choice rests on its sort's order among equal logits still run "
          "vLLM's filter and draw)",
          "experimental", "-31% (0.6B: 42.8 -> 29.7 ms) / -18% (1.7B) served batch 1 with int8_lm_head, one run, "
-         "Zen 4 EPYC; concurrency 16 +66% / +48% output tokens/s; tokens unchanged"),
+         "Zen 4 EPYC; concurrency 16 +66% / +48% output tokens/s; the native pass and the draw on the candidates "
+         "then took filter + draw from 0.98 to 0.37 ms (batch 1) and 5.5 to 1.6 ms (batch 16), benchmarks/sampler.py, "
+         "and a 0.6B step's sampler from 1.5 to 1.1 ms / 6.3-7.7 to 2.4 ms (profile_step.py); tokens unchanged"),
     Flag("bf16_down_proj",
          "Run mlp.down_proj in bf16 (int8 checkpoints are dequantized at load), as the upstream did",
          "rejected", "+21% (0.6B, served batch 1); in-process +40%; twice the down-proj bytes"),
