@@ -74,6 +74,7 @@ def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | 
                 full: Filter) -> torch.Tensor | None:
     """full(logits, k, p) (vLLM's filter, which updates logits in place), computed on the top
     candidates of each row; None where it cannot give full's result here (the caller runs full)."""
+    _kept.logits = _kept.vals = _kept.idx = None  # kept again below only if this call filters
     if k is None or p is None or logits.dim() != 2:
         return None
     rows, vocab = logits.shape
@@ -81,7 +82,6 @@ def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | 
     width = int(k.max()) + SLACK
     if int(k.min()) < 1 or width + LANES > vocab:  # a row without top-k has k == vocab
         return None
-    _kept.logits = _kept.vals = _kept.idx = None
     vals, idx = candidates(logits, width)
     ranked = vals.sort(dim=-1, descending=True).values
     kth = ranked.gather(1, (k - 1).unsqueeze(1))
