@@ -76,7 +76,7 @@ __attribute__((target("avx2"))) bool row_candidates(const float* x, int64_t V, i
 }  // namespace avx2
 
 std::vector<torch::Tensor> top_candidates(torch::Tensor logits, int64_t width) {
-  TORCH_CHECK(!isa_paths().empty(), "top_candidates: this CPU has no AVX2");
+  TORCH_CHECK(__builtin_cpu_supports("avx2"), "top_candidates: this CPU has no AVX2, which the kernel is built for");
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.stride(1) == 1,
               "top_candidates: logits must be fp32 rows with unit stride");
   const int64_t rows = logits.size(0), V = logits.size(1);

@@ -52,8 +52,7 @@ def candidates(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Te
     NaN, or with fewer than `width` logits above -inf, may come back with NaN among its values
     (the native pass marks it so; topk ranks NaN first)."""
     if _native() and logits.dtype == torch.float32 and logits.stride(1) == 1:
-        vals, idx = torch.ops.pypto_cpu.top_candidates(logits, width)
-        return vals, idx
+        return tuple(torch.ops.pypto_cpu.top_candidates(logits, width))
     vals, idx = logits.topk(width, dim=-1)
     idx, order = idx.sort(dim=-1)
     return vals.gather(1, order), idx
