@@ -12,7 +12,10 @@ llama_cpp_peer.py), sent the same chat requests, end-of-generation tokens banned
 decodes every requested token as ours do under ignore_eos. `--paired` starts every config's server at once and
 sends the requests round-robin (the order reversed every other round), so each round measures
 the configs seconds apart and the per-round TPOT ratio to the first config cancels the shared
-host's drift, which moves a run's TPOT by 5-15% within minutes (docs/performance.md).
+host's drift, which moves a run's TPOT by 5-15% within minutes (docs/performance.md). The DRAM
+read bandwidth moves too (28-53 GB/s within an hour here): a paired run probes it between
+rounds, and gives each config's TPOT over its bound round by round, at the better of the probes
+either side of the round.
 """
 
 from __future__ import annotations
@@ -92,14 +95,28 @@ def run_paired(configs: list[str], root: str, shape: str, requests: int, max_tok
             servers.append((cfg, s, time.time() - t0))
             chat_once(s.url, "m", "warm up", 8, bodies[cfg])
         runs: dict[str, list[dict]] = {cfg: [] for cfg in configs}
+        probes = [_probe()]  # between rounds: round i lies between probes i and i + 1
         for i in range(requests):
             for cfg, s, _ in servers if i % 2 == 0 else servers[::-1]:
                 runs[cfg].append(chat_once(s.url, "m", prompt, max_tokens, bodies[cfg]))
+            probes.append(_probe())
     rows = [_row(cfg, shape, start, runs[cfg]) for cfg, _, start in servers]
-    for r in rows:  # TPOT over the first config's in the same round
-        ratios = sorted(t / b for t, b in zip(r["tpot_ms"], rows[0]["tpot_ms"]))
-        r["paired_ratio"] = {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
+    round_gbs = [max(a, b) for a, b in zip(probes, probes[1:])]
+    for r in rows:
+        r["paired_ratio"] = _spread(t / b for t, b in zip(r["tpot_ms"], rows[0]["tpot_ms"]))
+        r["round_gbs"] = round_gbs
+        r["bound_ratio_per_round"] = _spread(t / (_bytes(r["config"], shape) / (g * 1e9) * 1e3)
+                                             for t, g in zip(r["tpot_ms"], round_gbs))
     return rows
+
+
+def _probe() -> float:
+    return max(dram_read_gbs(0.5).values())
+
+
+def _spread(values) -> dict:
+    v = sorted(values)
+    return {"median": statistics.median(v), "min": v[0], "max": v[-1]}
 
 
 def plot(report: dict, path: str) -> bool:
@@ -187,10 +204,17 @@ def main() -> None:
               f"{r['paired_ratio']['max']:.3f})" if "paired_ratio" in r else "" for r in rows]
     lines = [f"| config | shape | TPOT ms (median of {a.requests}) | TTFT ms | TPOT vs {rows[0]['config']} "
              f"| MB read per step | TPOT / its bandwidth bound |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    per_round = [f"; per round: {r['bound_ratio_per_round']['median']:.2f}x ({r['bound_ratio_per_round']['min']:.2f}-"
+                 f"{r['bound_ratio_per_round']['max']:.2f})" if "bound_ratio_per_round" in r else "" for r in rows]
     lines += [f"| {r['config']} | {r['shape']} | {r['tpot_ms_median']:.1f} | {r['ttft_ms_median']:.0f} | "
               f"{r['tpot_ms_median'] / base:.2f}x{p} | {r['bytes_per_token'] / 1e6:.0f} | "
-              f"{r['tpot_ms_median'] / r['bound_ms']:.2f}x ({r['bound_ms']:.1f} ms) |" for r, p in zip(rows, paired)]
+              f"{r['tpot_ms_median'] / r['bound_ms']:.2f}x ({r['bound_ms']:.1f} ms){b} |"
+              for r, p, b in zip(rows, paired, per_round)]
     head = header(report)
+    if a.paired:
+        g = rows[0]["round_gbs"]
+        head += (f"DRAM read between rounds: {statistics.median(g):.1f} GB/s median ({min(g):.1f}-{max(g):.1f}); "
+                 f"the per-round bound ratio is each round's TPOT over the bytes at the better probe beside it.\n\n")
     print("\n" + head + "\n".join(lines))
     with open(os.path.join(a.out, stamp + ".md"), "w") as f:
         f.write(head + "\n".join(lines) + "\n")
