@@ -13,9 +13,11 @@ decodes every requested token as ours do under ignore_eos. `--paired` starts eve
 sends the requests round-robin (the order reversed every other round), so each round measures
 the configs seconds apart and the per-round TPOT ratio to the first config cancels the shared
 host's drift, which moves a run's TPOT by 5-15% within minutes (docs/performance.md). The DRAM
-read bandwidth moves too (28-53 GB/s within an hour here): a paired run probes it between
+read bandwidth moves too (28-63 GB/s within an hour here): a paired run probes it between
 rounds, and gives each config's TPOT over its bound round by round, at the better of the probes
-either side of the round.
+either side of the round. It also leaves `--gap` seconds between two requests: a vLLM server's
+worker keeps one CPU busy for about a second after its last step (vLLM's shared-memory queue
+polls before it sleeps), which slowed the next request to another server by about 14%.
 """
 
 from __future__ import annotations
@@ -85,8 +87,10 @@ def run_config(cfg: str, root: str, shape: str, requests: int, max_tokens: int, 
     return _row(cfg, shape, start, runs)
 
 
-def run_paired(configs: list[str], root: str, shape: str, requests: int, max_tokens: int, prompt: str) -> list[dict]:
-    """Every config's server up at once (an idle vLLM server sleeps), requests round-robin."""
+def run_paired(configs: list[str], root: str, shape: str, requests: int, max_tokens: int, prompt: str,
+               gap: float) -> list[dict]:
+    """Every config's server up at once (an idle vLLM server sleeps, after about a second), requests
+    round-robin, `gap` seconds apart."""
     with contextlib.ExitStack() as stack:
         servers, bodies = [], {cfg: _extra_body(cfg, root, shape) for cfg in configs}
         for cfg in configs:
@@ -98,6 +102,7 @@ def run_paired(configs: list[str], root: str, shape: str, requests: int, max_tok
         probes = [_probe()]  # between rounds: round i lies between probes i and i + 1
         for i in range(requests):
             for cfg, s, _ in servers if i % 2 == 0 else servers[::-1]:
+                time.sleep(gap)
                 runs[cfg].append(chat_once(s.url, "m", prompt, max_tokens, bodies[cfg]))
             probes.append(_probe())
     rows = [_row(cfg, shape, start, runs[cfg]) for cfg, _, start in servers]
@@ -150,7 +155,8 @@ def header(report: dict) -> str:
     """The results file's first lines: machine, date, command, the DRAM probes."""
     return (f"{report['cpu']}, {report['cpus']} CPUs, {report['date']} UTC; `{report['command']}`; DRAM read "
             f"{' / '.join(f'{b:.1f}' for b in report['dram_read_gbs'])} GB/s (before / after)"
-            + ("; all servers up at once, requests round-robin" if report.get("paired") else "") + "\n\n")
+            + (f"; all servers up at once, requests round-robin, {report.get('gap_s') or 0:g} s apart"
+               if report.get("paired") else "") + "\n\n")
 
 
 def main() -> None:
@@ -165,6 +171,8 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="appended to the results file name")
     ap.add_argument("--paired", action="store_true",
                     help="all servers up at once, requests round-robin: per-round TPOT ratios to the first config")
+    ap.add_argument("--gap", type=float, default=1.5,
+                    help="--paired: seconds of quiet before each request, so that the last server has gone idle")
     ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of an earlier run's JSON")
     a = ap.parse_args()
     if a.replot:
@@ -179,7 +187,7 @@ def main() -> None:
     bw = max(dram_read_gbs().values())
     print(f"DRAM read {bw:.1f} GB/s", flush=True)
     if a.paired:
-        rows = run_paired(configs, a.checkpoints, a.shape, a.requests, a.max_tokens, prompt)
+        rows = run_paired(configs, a.checkpoints, a.shape, a.requests, a.max_tokens, prompt, a.gap)
     else:
         rows = [run_config(c, a.checkpoints, a.shape, a.requests, a.max_tokens, prompt) for c in configs]
     bw_after = max(dram_read_gbs().values())  # the host is shared: say how much it moved
@@ -194,6 +202,7 @@ def main() -> None:
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": f"{cpu_model()} ({' '.join(cpu_isa_flags())})",
               "cpus": os.cpu_count(),
               "command": " ".join(sys.argv), "prompt_words": a.prompt_words, "paired": a.paired,
+              "gap_s": a.gap if a.paired else None,
               "dram_read_gbs": [bw, bw_after],
               "rows": rows}
     with open(os.path.join(a.out, stamp + ".json"), "w") as f:

@@ -269,6 +269,7 @@ def test_tpot_script_pairs_the_configs_round_by_round(tmp_path):
         assert row["bound_ratio_per_round"]["median"] == pytest.approx(want[1])
     md = (out / [n for n in os.listdir(out) if n.endswith(".md")][0]).read_text()
     assert md.startswith(rep["cpu"]) and "round-robin" in md and "per round:" in md and "between rounds" in md
+    assert rep["gap_s"] == 1.5 and "1.5 s apart" in md  # the default quiet before each request
 
 
 @pytest.mark.slow  # three servers and `vllm bench serve` (~3 min): make test-slow, which CI runs
