@@ -88,9 +88,9 @@ def run_config(cfg: str, root: str, shape: str, requests: int, max_tokens: int, 
 
 
 def run_paired(configs: list[str], root: str, shape: str, requests: int, max_tokens: int, prompt: str,
-               gap: float) -> list[dict]:
+               gap: float) -> tuple[list[dict], list[float]]:
     """Every config's server up at once (an idle vLLM server sleeps, after about a second), requests
-    round-robin, `gap` seconds apart."""
+    round-robin, `gap` seconds apart -> the rows, and each round's DRAM read GB/s."""
     with contextlib.ExitStack() as stack:
         servers, bodies = [], {cfg: _extra_body(cfg, root, shape) for cfg in configs}
         for cfg in configs:
@@ -109,10 +109,9 @@ def run_paired(configs: list[str], root: str, shape: str, requests: int, max_tok
     round_gbs = [max(a, b) for a, b in zip(probes, probes[1:])]
     for r in rows:
         r["paired_ratio"] = _spread(t / b for t, b in zip(r["tpot_ms"], rows[0]["tpot_ms"]))
-        r["round_gbs"] = round_gbs
         r["bound_ratio_per_round"] = _spread(t / (_bytes(r["config"], shape) / (g * 1e9) * 1e3)
                                              for t, g in zip(r["tpot_ms"], round_gbs))
-    return rows
+    return rows, round_gbs
 
 
 def _probe() -> float:
@@ -186,8 +185,9 @@ def main() -> None:
             parse(c)
     bw = max(dram_read_gbs().values())
     print(f"DRAM read {bw:.1f} GB/s", flush=True)
+    round_gbs = None
     if a.paired:
-        rows = run_paired(configs, a.checkpoints, a.shape, a.requests, a.max_tokens, prompt, a.gap)
+        rows, round_gbs = run_paired(configs, a.checkpoints, a.shape, a.requests, a.max_tokens, prompt, a.gap)
     else:
         rows = [run_config(c, a.checkpoints, a.shape, a.requests, a.max_tokens, prompt) for c in configs]
     bw_after = max(dram_read_gbs().values())  # the host is shared: say how much it moved
@@ -203,7 +203,7 @@ def main() -> None:
               "cpus": os.cpu_count(),
               "command": " ".join(sys.argv), "prompt_words": a.prompt_words, "paired": a.paired,
               "gap_s": a.gap if a.paired else None,
-              "dram_read_gbs": [bw, bw_after],
+              "dram_read_gbs": [bw, bw_after], "round_gbs": round_gbs,
               "rows": rows}
     with open(os.path.join(a.out, stamp + ".json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -220,8 +220,8 @@ def main() -> None:
               f"{r['tpot_ms_median'] / r['bound_ms']:.2f}x ({r['bound_ms']:.1f} ms){b} |"
               for r, p, b in zip(rows, paired, per_round)]
     head = header(report)
-    if a.paired:
-        g = rows[0]["round_gbs"]
+    if round_gbs:
+        g = round_gbs
         head += (f"DRAM read between rounds: {statistics.median(g):.1f} GB/s median ({min(g):.1f}-{max(g):.1f}); "
                  f"the per-round bound ratio is each round's TPOT over the bytes at the better probe beside it.\n\n")
     print("\n" + head + "\n".join(lines))
