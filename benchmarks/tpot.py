@@ -106,12 +106,9 @@ def run_paired(configs: list[str], root: str, shape: str, requests: int, max_tok
                 runs[cfg].append(chat_once(s.url, "m", prompt, max_tokens, bodies[cfg]))
             probes.append(_probe())
     rows = [_row(cfg, shape, start, runs[cfg]) for cfg, _, start in servers]
-    round_gbs = [max(a, b) for a, b in zip(probes, probes[1:])]
     for r in rows:
         r["paired_ratio"] = _spread(t / b for t, b in zip(r["tpot_ms"], rows[0]["tpot_ms"]))
-        r["bound_ratio_per_round"] = _spread(t / (_bytes(r["config"], shape) / (g * 1e9) * 1e3)
-                                             for t, g in zip(r["tpot_ms"], round_gbs))
-    return rows, round_gbs
+    return rows, [max(a, b) for a, b in zip(probes, probes[1:])]
 
 
 def _probe() -> float:
@@ -121,6 +118,14 @@ def _probe() -> float:
 def _spread(values) -> dict:
     v = sorted(values)
     return {"median": statistics.median(v), "min": v[0], "max": v[-1]}
+
+
+def _spread_text(s: dict, digits: int) -> str:
+    return f"{s['median']:.{digits}f}x ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+def _bound_ms(nbytes: int, gbs: float) -> float:
+    return nbytes / (gbs * 1e9) * 1e3
 
 
 def plot(report: dict, path: str) -> bool:
@@ -194,7 +199,10 @@ def main() -> None:
     print(f"DRAM read after the runs {bw_after:.1f} GB/s", flush=True)
     for r in rows:  # each config against the bytes it reads per step, at the better of the two probes
         r["bytes_per_token"] = _bytes(r["config"], a.shape)
-        r["bound_ms"] = r["bytes_per_token"] / (max(bw, bw_after) * 1e9) * 1e3
+        r["bound_ms"] = _bound_ms(r["bytes_per_token"], max(bw, bw_after))
+        if round_gbs:  # and round by round, at the better probe beside each round
+            r["bound_ratio_per_round"] = _spread(t / _bound_ms(r["bytes_per_token"], g)
+                                                 for t, g in zip(r["tpot_ms"], round_gbs))
     os.makedirs(a.out, exist_ok=True)
     stamp = f"{time.strftime('%Y-%m-%d')}-{platform.node() or 'machine'}-tpot-{a.shape}" + (
         f"-prompt{a.prompt_words}" if a.prompt_words else "") + ("-paired" if a.paired else "") + (
@@ -209,12 +217,11 @@ def main() -> None:
         json.dump(report, f, indent=1)
     plot(report, os.path.join(a.out, stamp + ".png"))
     base = rows[0]["tpot_ms_median"]
-    paired = [f" per round: {r['paired_ratio']['median']:.3f}x ({r['paired_ratio']['min']:.3f}-"
-              f"{r['paired_ratio']['max']:.3f})" if "paired_ratio" in r else "" for r in rows]
+    paired = [f" per round: {_spread_text(r['paired_ratio'], 3)}" if "paired_ratio" in r else "" for r in rows]
     lines = [f"| config | shape | TPOT ms (median of {a.requests}) | TTFT ms | TPOT vs {rows[0]['config']} "
              f"| MB read per step | TPOT / its bandwidth bound |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    per_round = [f"; per round: {r['bound_ratio_per_round']['median']:.2f}x ({r['bound_ratio_per_round']['min']:.2f}-"
-                 f"{r['bound_ratio_per_round']['max']:.2f})" if "bound_ratio_per_round" in r else "" for r in rows]
+    per_round = [f"; per round: {_spread_text(r['bound_ratio_per_round'], 2)}" if "bound_ratio_per_round" in r else ""
+                 for r in rows]
     lines += [f"| {r['config']} | {r['shape']} | {r['tpot_ms_median']:.1f} | {r['ttft_ms_median']:.0f} | "
               f"{r['tpot_ms_median'] / base:.2f}x{p} | {r['bytes_per_token'] / 1e6:.0f} | "
               f"{r['tpot_ms_median'] / r['bound_ms']:.2f}x ({r['bound_ms']:.1f} ms){b} |"
