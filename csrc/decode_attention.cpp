@@ -13,8 +13,12 @@
 // bounds it).
 //
 // AVX2 + FMA only, so that every ISA path of the native backend runs the same code and bits.
-// The cache interiors "vec" and "vec16" (K region d-major: token t of dimension d at d * bs + t;
-// V region token-major) are read; the AMX interior is not (the caller keeps vLLM-CPU's kernel).
+// Every cache interior vLLM-CPU packs is read: "vec" and "vec16" (K region d-major: token t of
+// dimension d at d * bs + t; V region token-major), and "amx" (vLLM-CPU's choice on CPUs with AMX:
+// K in 16-token groups of dimension pairs, V in 16-dimension groups of token pairs; paging.py). An
+// AMX-interior load of 8 lanes holds two dimensions (K) or two tokens (V) interleaved, and each is
+// split out exactly (a bf16 is the high half of its fp32), so every sum adds the same products in
+// the same order as from a vec cache: the same bits.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -60,7 +64,8 @@ struct Head {
   const bf16* cache;     // the layer's cache [blocks, nkv, 2 * bs * hd]
   const int32_t* table;  // this sequence's block-table row
   int64_t ctx, bs, hd, nkv, kvh;
-  // block j's K region ([hd][bs], d-major), followed in memory by its V region ([bs][hd])
+  bool amx;  // the AMX interior
+  // block j's K region (vec: [hd][bs], d-major), followed in memory by its V region (vec: [bs][hd])
   const bf16* k(int64_t j) const { return cache + (table[j] * nkv + kvh) * (2 * bs * hd); }
   const bf16* v(int64_t j) const { return k(j) + bs * hd; }
 };
@@ -75,15 +80,27 @@ struct Lines {  // rows x `per_row` lines, `stride` bytes apart
   int64_t rows = 0, per_row = 0, stride = 0;
 };
 
+// AMX interior: K is the first n tokens' 16-token groups ([hd / 2][16][2] each), one run; V is
+// hd / 16 rows of 16 dimensions, each of n tokens in pairs (64 bytes a pair).
 inline Lines k_lines(const Head& h, int64_t j) {
   const int64_t n = std::min(h.bs, h.ctx - j * h.bs);
-  return {reinterpret_cast<const char*>(h.k(j)), h.hd, (n * 2 + 63) / 64, h.bs * 2};
+  const char* p = reinterpret_cast<const char*>(h.k(j));
+  return h.amx ? Lines{p, 1, (n + 15) / 16 * h.hd / 2, 0} : Lines{p, h.hd, (n * 2 + 63) / 64, h.bs * 2};
 }
 
 inline Lines v_lines(const Head& h, int64_t j) {
   const int64_t n = std::min(h.bs, h.ctx - j * h.bs);
-  return {reinterpret_cast<const char*>(h.v(j)), 1, (n * h.hd * 2 + 63) / 64, 0};
+  const char* p = reinterpret_cast<const char*>(h.v(j));
+  return h.amx ? Lines{p, h.hd / 16, (n + 1) / 2, h.bs * 32} : Lines{p, 1, (n * h.hd * 2 + 63) / 64, 0};
 }
+
+// The two fp32 vectors in 8 AMX-interior pairs of bf16: the even elements (the first dimension of
+// a K pair, the first token of a V pair) and the odd ones.
+DA_TARGET inline __m256 pair_lo(__m256i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)); }
+DA_TARGET inline __m256 pair_hi(__m256i x) {
+  return _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+DA_TARGET inline __m256i load_pairs(const bf16* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 struct Stream {
   const Head& h;
@@ -119,7 +136,7 @@ inline void prefetch_all(const Lines& r) {
 // uses a whole 64-byte line of each K row (32 tokens) and of each V row (32 dimensions), with 8
 // FMA chains in flight. Each output is the same sum in the same order (over d for a score, over
 // t for an output dimension) whatever W is.
-template <int G, int W>
+template <int G, int W, bool Amx>
 DA_TARGET void head_attention(const Head& h, const Head* then, const float* q, float* s, float* acc, bf16* out,
                               int64_t out_stride) {
   const int64_t bs = h.bs, hd = h.hd, ctx = h.ctx, stride = ctx + 8 * W;  // s: [G][ctx rounded up]
@@ -133,13 +150,28 @@ DA_TARGET void head_attention(const Head& h, const Head* then, const float* q, f
       __m256 a[G][W];
       for (int g = 0; g < G; ++g)
         for (int w = 0; w < W; ++w) a[g][w] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < hd; ++d) {
-        st.step();
-        __m256 kv[W];
-        for (int w = 0; w < W; ++w) kv[w] = bf16x8(K + d * bs + t + 8 * w);
-        for (int g = 0; g < G; ++g) {
-          const __m256 qd = _mm256_broadcast_ss(q + g * hd + d);
-          for (int w = 0; w < W; ++w) a[g][w] = _mm256_fmadd_ps(qd, kv[w], a[g][w]);
+      if constexpr (Amx) {
+        for (int64_t d = 0; d < hd; d += 2) {  // a dimension pair: d, then d + 1 into each accumulator
+          st.step(), st.step();
+          __m256 q0[G], q1[G];
+          for (int g = 0; g < G; ++g)
+            q0[g] = _mm256_broadcast_ss(q + g * hd + d), q1[g] = _mm256_broadcast_ss(q + g * hd + d + 1);
+          for (int w = 0; w < W; ++w) {
+            const int64_t tt = t + 8 * w;  // 8 tokens of one 16-token group
+            const __m256i x = load_pairs(K + tt / 16 * (16 * hd) + d * 16 + tt % 16 * 2);
+            const __m256 k0 = pair_lo(x), k1 = pair_hi(x);
+            for (int g = 0; g < G; ++g) a[g][w] = _mm256_fmadd_ps(q1[g], k1, _mm256_fmadd_ps(q0[g], k0, a[g][w]));
+          }
+        }
+      } else {
+        for (int64_t d = 0; d < hd; ++d) {
+          st.step();
+          __m256 kv[W];
+          for (int w = 0; w < W; ++w) kv[w] = bf16x8(K + d * bs + t + 8 * w);
+          for (int g = 0; g < G; ++g) {
+            const __m256 qd = _mm256_broadcast_ss(q + g * hd + d);
+            for (int w = 0; w < W; ++w) a[g][w] = _mm256_fmadd_ps(qd, kv[w], a[g][w]);
+          }
         }
       }
       for (int g = 0; g < G; ++g)
@@ -181,13 +213,35 @@ DA_TARGET void head_attention(const Head& h, const Head* then, const float* q, f
       __m256 a[G][W];
       for (int g = 0; g < G; ++g)
         for (int w = 0; w < W; ++w) a[g][w] = _mm256_loadu_ps(acc + g * hd + d + 8 * w);
-      for (int64_t t = 0; t < n; ++t) {
-        st.step();
-        __m256 vv[W];
-        for (int w = 0; w < W; ++w) vv[w] = bf16x8(V + t * hd + d + 8 * w);
-        for (int g = 0; g < G; ++g) {
-          const __m256 p = _mm256_broadcast_ss(s + g * stride + t0 + t);
-          for (int w = 0; w < W; ++w) a[g][w] = _mm256_fmadd_ps(p, vv[w], a[g][w]);
+      if constexpr (Amx) {
+        for (int64_t t = 0; t < n; t += 2) {  // a token pair: t, then t + 1 (if in the block's n)
+          const bool two = t + 1 < n;
+          st.step();
+          if (two) st.step();
+          __m256 p0[G], p1[G];
+          for (int g = 0; g < G; ++g)
+            p0[g] = _mm256_broadcast_ss(s + g * stride + t0 + t),
+            p1[g] = _mm256_broadcast_ss(s + g * stride + t0 + t + two);
+          for (int w = 0; w < W; ++w) {
+            const int64_t dd = d + 8 * w;  // 8 dimensions of one 16-dimension group
+            const __m256i x = load_pairs(V + dd / 16 * (16 * bs) + t * 16 + dd % 16 * 2);
+            const __m256 v0 = pair_lo(x);
+            for (int g = 0; g < G; ++g) a[g][w] = _mm256_fmadd_ps(p0[g], v0, a[g][w]);
+            if (two) {
+              const __m256 v1 = pair_hi(x);
+              for (int g = 0; g < G; ++g) a[g][w] = _mm256_fmadd_ps(p1[g], v1, a[g][w]);
+            }
+          }
+        }
+      } else {
+        for (int64_t t = 0; t < n; ++t) {
+          st.step();
+          __m256 vv[W];
+          for (int w = 0; w < W; ++w) vv[w] = bf16x8(V + t * hd + d + 8 * w);
+          for (int g = 0; g < G; ++g) {
+            const __m256 p = _mm256_broadcast_ss(s + g * stride + t0 + t);
+            for (int w = 0; w < W; ++w) a[g][w] = _mm256_fmadd_ps(p, vv[w], a[g][w]);
+          }
         }
       }
       for (int g = 0; g < G; ++g)
@@ -201,26 +255,27 @@ DA_TARGET void head_attention(const Head& h, const Head* then, const float* q, f
 using HeadFn = void (*)(const Head&, const Head*, const float*, float*, float*, bf16*, int64_t);
 
 // The widest tile for G that divides both the block size and head_dim (bs and hd are multiples of 16).
-template <int G>
+template <int G, bool Amx>
 HeadFn tiled(int64_t bs, int64_t hd) {
   constexpr int W = G <= 2 ? 4 : G <= 4 ? 2 : 1;
   if constexpr (W > 2) {
-    if (bs % (8 * W) == 0 && hd % (8 * W) == 0) return head_attention<G, W>;
+    if (bs % (8 * W) == 0 && hd % (8 * W) == 0) return head_attention<G, W, Amx>;
   }
-  if constexpr (W > 1) return head_attention<G, 2>;
-  return head_attention<G, 1>;
+  if constexpr (W > 1) return head_attention<G, 2, Amx>;
+  return head_attention<G, 1, Amx>;
 }
 
+template <bool Amx>
 HeadFn head_fn(int64_t G, int64_t bs, int64_t hd) {
   switch (G) {
-    case 1: return tiled<1>(bs, hd);
-    case 2: return tiled<2>(bs, hd);
-    case 3: return tiled<3>(bs, hd);
-    case 4: return tiled<4>(bs, hd);
-    case 5: return tiled<5>(bs, hd);
-    case 6: return tiled<6>(bs, hd);
-    case 7: return tiled<7>(bs, hd);
-    case 8: return tiled<8>(bs, hd);
+    case 1: return tiled<1, Amx>(bs, hd);
+    case 2: return tiled<2, Amx>(bs, hd);
+    case 3: return tiled<3, Amx>(bs, hd);
+    case 4: return tiled<4, Amx>(bs, hd);
+    case 5: return tiled<5, Amx>(bs, hd);
+    case 6: return tiled<6, Amx>(bs, hd);
+    case 7: return tiled<7, Amx>(bs, hd);
+    case 8: return tiled<8, Amx>(bs, hd);
     default: return nullptr;
   }
 }
@@ -232,8 +287,8 @@ using avx2::Head;
 using avx2::HeadFn;
 
 bool decode_attention_fits(int64_t num_heads, int64_t num_kv_heads, int64_t hd, const std::string& interior) {
-  return (interior == "vec" || interior == "vec16") && num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
-         num_heads >= num_kv_heads && num_heads / num_kv_heads <= 8 && hd % 16 == 0;
+  return (interior == "vec" || interior == "vec16" || interior == "amx") && num_kv_heads > 0 &&
+         num_heads % num_kv_heads == 0 && num_heads >= num_kv_heads && num_heads / num_kv_heads <= 8 && hd % 16 == 0;
 }
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor seq_lens,
@@ -245,7 +300,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::T
   const int64_t B = q.size(0), nq = q.size(1), hd = q.size(2);
   TORCH_CHECK(decode_attention_fits(nq, num_kv_heads, hd, interior), "decode_attention: ", nq, " query heads over ",
               num_kv_heads, " KV heads of ", hd, " in the '", interior, "' cache interior are not supported "
-              "(GQA groups of 1..8 heads, head_dim a multiple of 16, interiors vec and vec16)");
+              "(GQA groups of 1..8 heads, head_dim a multiple of 16, interiors vec, vec16 and amx)");
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(1) == num_kv_heads && kv_cache.size(3) == 2 * hd &&
                   kv_cache.is_contiguous() && kv_cache.scalar_type() == torch::kBFloat16,
               "decode_attention: expected vLLM-CPU's bf16 cache [blocks, ", num_kv_heads, ", block_size, ", 2 * hd,
@@ -272,10 +327,11 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::T
   const bf16* qp = q.data_ptr<bf16>();
   const bf16* cache = kv_cache.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
-  const HeadFn fn = avx2::head_fn(G, bs, hd);
+  const bool amx = interior == "amx";
+  const HeadFn fn = amx ? avx2::head_fn<true>(G, bs, hd) : avx2::head_fn<false>(G, bs, hd);
   const auto head = [&](int64_t i) {
     const int64_t b = i / num_kv_heads;
-    return Head{cache, table + b * row, lens[b], bs, hd, num_kv_heads, i % num_kv_heads};
+    return Head{cache, table + b * row, lens[b], bs, hd, num_kv_heads, i % num_kv_heads, amx};
   };
   at::parallel_for(0, B * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * hd), s(G * (longest + 32)), acc(G * hd);

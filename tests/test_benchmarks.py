@@ -204,7 +204,10 @@ def test_quality_script_refuses_a_quantized_reference(tiny_w8a8, tmp_path):
 def test_attention_script_sets_the_kernels_side_by_side(tmp_path):
     """benchmarks/attention.py: a row per (sequences, context), each kernel timed in every round,
     the per-round ratio, the bound at the run's bandwidth, and the two kernels' outputs within
-    bf16 rounding of each other (a wrong block table or layout would differ by O(1))."""
+    bf16 rounding of each other (a wrong block table or layout would differ by O(1)), on the cache
+    layout vLLM-CPU packs on this CPU."""
+    import torch
+
     out = tmp_path / "results"
     r = run_script("attention.py", "--shape", "tiny", "--batches", "1,3", "--ctx", "5,300", "--rounds", "2",
                    "--block-size", "32", "--out", str(out), "--tag", "t")
@@ -215,6 +218,7 @@ def test_attention_script_sets_the_kernels_side_by_side(tmp_path):
         assert len(row["ours_us_all"]) == len(row["vllm_us_all"]) == 2 and row["ours_us"] > 0 < row["vllm_us"]
         assert row["ratio"]["min"] <= row["ratio"]["median"] <= row["ratio"]["max"]
         assert 0 < row["bound_us"] and row["max_abs_diff"] < 2 ** -5
+        assert row["interior"] == ("amx" if torch.cpu._is_amx_tile_supported() else "vec")  # vLLM-CPU's own layout
     assert rep["cpu"] and len(rep["dram_read_gbs"]) == 2
     assert [n for n in os.listdir(out) if n.endswith(".md")][0].endswith("-attention-t.md")
 

@@ -304,15 +304,29 @@ def _paged(B, ctx, nkv, hd, bs, seed):
     return cache, table, dense
 
 
+def _as_amx(cache: torch.Tensor, bs: int, hd: int) -> torch.Tensor:
+    """A 'vec' cache repacked into vLLM-CPU's 'amx' interior (paging.INTERIORS), element for element."""
+    from vllm_pypto.kernels.ascend.paging import INTERIORS
+
+    t, d = torch.arange(bs)[:, None], torch.arange(hd)[None, :]
+    (vk, vv), (ak, av) = INTERIORS["vec"](t, d, bs, hd), INTERIORS["amx"](t, d, bs, hd)
+    src = cache.view(cache.shape[0], cache.shape[1], 2 * bs * hd)
+    out = torch.empty_like(src)
+    out[:, :, ak.flatten()] = src[:, :, vk.flatten()]
+    out[:, :, bs * hd + av.flatten()] = src[:, :, bs * hd + vv.flatten()]
+    return out.view_as(cache)
+
+
 @native
 @pytest.mark.parametrize("nq,nkv,bs", [(4, 2, 32), (6, 1, 32), (8, 8, 32), (8, 2, 32), (4, 2, 16)])
 def test_native_decode_attention_is_fp32_attention(nq, nkv, bs):
     """Flag native_decode_attention's kernel: per sequence, softmax(q k^T * scale) v in fp32, rounded
     once to bf16, over the blocks of its table (ragged lengths, a 1-token sequence, a partial last
-    block, NaN past the end); the same bits on one thread and on all; within bf16 rounding of
-    vLLM-CPU's own kernel. The cases cover each register tile (GQA groups 1-2: 32 lanes, or 16
-    where 32 does not divide the block; 4: 16; 6: 8). One AVX2 + FMA kernel serves every ISA path,
-    so there is no `isa` fixture here."""
+    block, NaN past the end); the same bits on one thread and on all, and from the cache repacked
+    into vLLM-CPU's AMX interior; within bf16 rounding of vLLM-CPU's own kernel (where the CPU has
+    AMX, also of its AMX kernel, which rounds the probabilities to bf16). The cases cover each
+    register tile (GQA groups 1-2: 32 lanes, or 16 where 32 does not divide the block; 4: 16; 6: 8).
+    One AVX2 + FMA kernel serves every ISA path, so there is no `isa` fixture here."""
     from vllm import _custom_ops as ops
 
     B, hd, ctx = 3, 64, [1, 37, 300]
@@ -340,7 +354,16 @@ def test_native_decode_attention_is_fp32_attention(nq, nkv, bs):
     kc, vc = cache.nan_to_num(0).view(cache.shape[0], nkv, 2 * bs, hd).chunk(2, dim=2)
     ops.cpu_attention_with_kv_cache(q, kc, vc, theirs, qsl, lens, scale, True, None, -1, table, 0.0, sched, None)
     torch.testing.assert_close(got.float(), theirs.view(B, -1).float(), rtol=2 ** -7, atol=1e-5)
+    amx = _as_amx(cache, bs, hd)  # vLLM-CPU's layout on CPUs with AMX: the same sums, the same bits
+    assert torch.equal(torch.ops.pypto_cpu.decode_attention(q, amx, lens, table, nkv, scale, "amx"), got)
+    if torch.cpu._is_amx_tile_supported() and bs % 32 == 0:  # vLLM-CPU's AMX kernel on it
+        torch.cpu._init_amx()
+        sched = ops.cpu_attn_get_scheduler_metadata(B, nq, nkv, hd, lens, BF16, qsl, True, -1, "amx", False)
+        kc, vc = amx.nan_to_num(0).view(cache.shape[0], nkv, 2 * bs, hd).chunk(2, dim=2)
+        ops.cpu_attention_with_kv_cache(q, kc, vc, theirs, qsl, lens, scale, True, None, -1, table, 0.0, sched, None)
+        # its AMX-BF16 tiles take the probabilities in bf16: each term off by up to 2^-8 of itself
+        torch.testing.assert_close(got.float(), theirs.view(B, -1).float(), rtol=2 ** -7, atol=2 ** -8)
     with pytest.raises(RuntimeError, match="not supported"):
-        torch.ops.pypto_cpu.decode_attention(q, cache, lens, table, nkv, scale, "amx")
+        torch.ops.pypto_cpu.decode_attention(q, cache, lens, table, nkv, scale, "vec32")
     with pytest.raises(RuntimeError, match="outside the cache"):
         torch.ops.pypto_cpu.decode_attention(q, cache, lens, table + 1000, nkv, scale, "vec")

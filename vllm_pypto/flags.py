@@ -62,13 +62,15 @@ FLAGS: dict[str, Flag] = {f.name: f for f in (
          "vLLM-CPU only, with native_decoder_layer: on a decode-only step (one query token per sequence), "
          "attention is our kernel (csrc/decode_attention.cpp: one task per sequence and KV head reads K and V "
          "once, fp32 softmax) instead of vLLM-CPU's tiled kernel; steps with a prefill keep vLLM-CPU's. "
-         "Textbook fp32 attention, not vLLM-CPU's bits: outputs differ by bf16 rounding. vLLM-CPU's AMX "
-         "cache interior (Xeons with AMX) keeps vLLM-CPU's kernel, with a warning",
+         "Textbook fp32 attention, not vLLM-CPU's bits: outputs differ by bf16 rounding. It reads each cache "
+         "layout vLLM-CPU packs (vec, vec16, and amx on Xeons with AMX), the same bits from each",
          "experimental", "served batch 1, 1.7B, per-round median of 12 paired rounds: -7% with a ~1,000-token prompt "
          "(0.74-1.26; Zen 4 EPYC), none measurable with the short chat prompt (1.7B on a Zen 3: 1.00x, 0.86-1.18; "
          "0.6B on a Zen 4, 16 rounds: 1.02x, 0.69-1.34); "
          "concurrency 16, 128-token prompts, one unpaired run: +3% output tokens/s (Zen 4); the kernel alone "
-         "0.54-0.78x (Zen 4) / 0.25-0.72x (Zen 3) vLLM-CPU's attention time a layer (benchmarks/attention.py)"),
+         "0.54-0.78x (Zen 4) / 0.25-0.72x (Zen 3) vLLM-CPU's attention time a layer (benchmarks/attention.py); "
+         "on a Xeon with AMX (vLLM-CPU's AMX cache layout and kernel), ~1,000-token prompt, 8 paired rounds: 0.97x "
+         "(0.84-1.09), and the kernel alone 1.03-1.49x vLLM-CPU's AMX kernel's time"),
     Flag("fast_top_k_top_p",
          "vLLM-CPU's top-k + top-p sampling filter (Qwen3's generation_config asks for top_k 20, top_p 0.95) on "
          "the largest max(k)+64 logits (one native pass over the row) instead of a sort of the whole vocabulary, "

@@ -23,7 +23,6 @@ import contextlib
 import torch
 
 from vllm.forward_context import get_forward_context
-from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import RowParallelLinear
 from vllm.model_executor.models.utils import extract_layer_index
 
@@ -32,9 +31,6 @@ from ..quant.linear import PyptoA8W8LinearMethod
 from . import attn_prologue
 
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-DECODE_INTERIORS = ("vec", "vec16")  # the cache layouts csrc/decode_attention.cpp reads
-
-logger = init_logger(__name__)
 
 
 def _linear(layer, path: str):
@@ -87,10 +83,6 @@ def step(layers):
     interior = getattr(attn[0], "isa", None)
     if slot_mapping is not None and caches[layers[0].pypto_layer_index].numel() > 0:
         attn_prologue.check_interior(interior, "native_decoder_layer")
-        if "native_decode_attention" in layers[0].flags and interior not in DECODE_INTERIORS:
-            logger.warning_once("pypto-a8w8: flag native_decode_attention reads the 'vec' and 'vec16' cache interiors; "
-                                "vLLM-CPU packs this cache as %r (AMX), so decode steps keep vLLM-CPU's attention "
-                                "kernel", interior)
     if m is None:  # a warm-up or profiling pass: no attention, as vLLM-CPU's own forward
         _C.decoder_layer_step(caches, slot_mapping, [], None, True, 0, interior or "vec")
     else:
