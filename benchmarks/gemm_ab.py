@@ -28,7 +28,7 @@ from vllm_pypto.kernels.select import cpu_isa_flags, cpu_model  # noqa: E402
 from vllm_pypto.tools.shapes import SHAPES  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCES = ("isa_avx2.cpp", "isa_avx512.cpp")  # the kernel tables the driver names, torch-free
+SOURCES = ("isa_avx2.cpp", "isa_avx512.cpp", "isa_amx.cpp")  # the kernel tables the driver names, torch-free
 
 
 def export_csrc(rev: str | None, dest: str) -> str:
@@ -65,7 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="HEAD", help="git revision (or csrc folder) of the A build")
     ap.add_argument("--head", default=None, help="git revision (or csrc folder) of the B build (default: the working tree)")
-    ap.add_argument("--isa", default="avx512", choices=("avx512", "avx2", "avx_vnni"))
+    ap.add_argument("--isa", default="avx512", choices=("avx512", "avx2", "avx_vnni", "amx"))
     ap.add_argument("--model", default="14B", help="Qwen3 shape whose linears to run")
     ap.add_argument("--shapes", default="qkv,o,gate_up,down")
     ap.add_argument("--ms", default="1,64")

@@ -30,9 +30,10 @@ int main(int argc, char** argv) {
   const Kernels* k = isa == "avx512" ? &avx512_kernels
                      : isa == "avx2" ? &avx2_kernels
                      : isa == "avx_vnni" ? &avx_vnni_kernels
-                                         : nullptr;  // amx needs the kernel's tile permission: not here
+                     : isa == "amx" && amx_permitted() ? &amx_kernels  // asks Linux for tile state once
+                                                       : nullptr;
   if (!k) {
-    std::fprintf(stderr, "ISA %s: choose avx512, avx2 or avx_vnni\n", isa.c_str());
+    std::fprintf(stderr, "ISA %s: choose avx512, avx2, avx_vnni or amx (on a CPU with AMX)\n", isa.c_str());
     return 2;
   }
   const int64_t Kp = round_up(K, KA), Np = round_up(N, NT), tiles = Np / NT, bytes = tiles * (Kp / 4) * 256;

@@ -52,13 +52,26 @@ AMX_TARGET void load_tile_config() {
 // tiles and 3 B tiles in rotation, so the weights stream in order, once per 16 rows (measured
 // faster than 2x2 blocks of 32 rows x 32 channels at every M from 24 to 2048: docs/performance.md).
 // The activation rows are padded to a multiple of 16 (q 0) so tiles never read past them.
+// Tile loads from L2 leave the tile unit waiting (a probe: 1.1-1.5 TOPS a core from L2, 2.5-4.1 from
+// L1), so with several blocks (`ahead`) each K step pulls the next step's A and B lines into L1,
+// and `pf` its share of the next weight tile into L2 (1.1-1.3x at M = 64 and 256 on a Xeon). One
+// block streams its tile from DRAM as fast without (docs/performance.md, 2026-12-05 evening).
 template <bool I32>
-AMX_TARGET void block(const Gemm& g, const int8_t* wt, int64_t r0, int64_t n0) {
+AMX_TARGET void block(const Gemm& g, const int8_t* wt, int64_t r0, int64_t n0, bool ahead, TilePrefetch pf) {
   alignas(64) int32_t c[16][64];
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  for (int64_t kb = 0; kb < g.Kp / KA; ++kb) {
+  const uint8_t* a = g.a + r0 * g.Kp;
+  const int64_t steps = g.Kp / KA;
+  for (int64_t kb = 0; kb < steps; ++kb) {
     const int8_t* b = wt + kb * 16 * 256;
-    _tile_loadd(4, g.a + r0 * g.Kp + kb * KA, g.Kp);
+    if (ahead && kb + 1 < steps) {
+      const char* an = reinterpret_cast<const char*>(a + (kb + 1) * KA);
+      for (int r = 0; r < 16; ++r) _mm_prefetch(an + r * g.Kp, _MM_HINT_T0);
+      const char* bn = reinterpret_cast<const char*>(b + 16 * 256);
+      for (int l = 0; l < 64; ++l) _mm_prefetch(bn + l * 64, _MM_HINT_T0);
+    }
+    for (int i = 0; i < 16; ++i) pf.step();  // a K step is 16 groups of 4
+    _tile_loadd(4, a + kb * KA, g.Kp);
     _tile_loadd(5, b, 256);
     _tile_dpbusd(0, 4, 5);
     _tile_loadd(6, b + 64, 256);
@@ -89,10 +102,17 @@ AMX_TARGET void tiles(const Gemm& g, int64_t tb, int64_t te) {
   // once more, while a chunk re-read per tile comes from L3 (chunks sized for L2 cost more in
   // weight passes than they saved: docs/performance.md).
   const int64_t Mc = std::max<int64_t>(16, (int64_t{8} << 20) / g.Kp / 16 * 16);
-  for (int64_t m0 = 0; m0 < g.M; m0 += Mc)
-    for (int64_t t = tb; t < te; ++t)
-      for (int64_t r0 = m0; r0 < std::min(g.M, m0 + Mc); r0 += 16)
-        block<I32>(g, g.w + t * g.tile_bytes(), r0, t * NT);
+  // The next tile goes to L2 while this one is read from there, so both must fit in half of an
+  // AMX core's 2 MiB L2 (K <= 8192): with 1.1 MB tiles (K = 17408) it ran 0.97x at M = 64.
+  const bool ahead = g.M > 16, next_tile = ahead && 2 * g.tile_bytes() <= (int64_t{1} << 20);
+  for (int64_t m0 = 0; m0 < g.M; m0 += Mc) {
+    const int64_t m1 = std::min(g.M, m0 + Mc), blocks = (m1 - m0 + 15) / 16;
+    for (int64_t t = tb; t < te; ++t) {
+      const int8_t* wt = g.w + t * g.tile_bytes();
+      for (int64_t r0 = m0, b = 0; r0 < m1; r0 += 16, ++b)
+        block<I32>(g, wt, r0, t * NT, ahead, next_tile_share(g, wt, next_tile && t + 1 < te, b, blocks));
+    }
+  }
   _tile_release();
 }
 

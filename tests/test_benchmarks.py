@@ -444,3 +444,19 @@ def test_gemm_ab_times_two_builds_and_refuses_changed_bits(tmp_path):
     bad = run_script("gemm_ab.py", *args, "--base", str(changed), "--out", str(tmp_path / "bad"))
     assert bad.returncode != 0 and "outputs differ" in bad.stderr
     assert not any(r["same_output"] for r in only_json(tmp_path / "bad")["rows"])
+
+
+@pytest.mark.slow  # two builds (~1 min)
+def test_gemm_ab_runs_the_amx_tiles_where_the_cpu_has_them(tmp_path):
+    """--isa amx times the AMX path (M = 40: three row blocks, the prefetching kind) on a CPU with
+    AMX-INT8, with the same bits from both builds; elsewhere the driver refuses it by name."""
+    args = ["--isa", "amx", "--model", "tiny", "--shapes", "qkv,down", "--ms", "40", "--rounds", "1",
+            "--seconds", "0.05", "--base", os.path.join(ROOT, "csrc"), "--out", str(tmp_path)]
+    res = run_script("gemm_ab.py", *args)
+    if "amx_int8" not in cpu_isa_flags():
+        assert res.returncode != 0 and "amx (on a CPU with AMX)" in res.stderr
+        return
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = only_json(tmp_path)["rows"]
+    assert [(r["shape"], r["M"]) for r in rows] == [("qkv", 40), ("down", 40)]
+    assert all(r["same_output"] and r["B_GOPS"] > 0 for r in rows)
