@@ -24,6 +24,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import report as report_file  # noqa: E402  (benchmarks/report.py)
+from linear import isa_paths  # noqa: E402
 from vllm_pypto.kernels.select import cpu_isa_flags, cpu_model  # noqa: E402
 from vllm_pypto.tools.shapes import SHAPES  # noqa: E402
 
@@ -75,6 +76,7 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default="results")
     a = ap.parse_args()
+    isa_paths(a.isa)  # a path this CPU lacks exits here, by name, not as an illegal instruction in a build
     linears = SHAPES[a.model].linears()
     cases = [(s, m, *linears[s]) for s in a.shapes.split(",") for m in (int(x) for x in a.ms.split(","))]
     with tempfile.TemporaryDirectory() as tmp:

@@ -454,7 +454,7 @@ def test_gemm_ab_runs_the_amx_tiles_where_the_cpu_has_them(tmp_path):
             "--seconds", "0.05", "--base", os.path.join(ROOT, "csrc"), "--out", str(tmp_path)]
     res = run_script("gemm_ab.py", *args)
     if "amx_int8" not in cpu_isa_flags():
-        assert res.returncode != 0 and "amx (on a CPU with AMX)" in res.stderr
+        assert res.returncode != 0 and "cannot run amx" in res.stderr
         return
     assert res.returncode == 0, res.stderr[-3000:]
     rows = only_json(tmp_path)["rows"]
