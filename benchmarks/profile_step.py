@@ -19,8 +19,10 @@ Parts, per decode step:
   sampler    vLLM's Sampler (temperature, top-k/top-p filter, the draw)
   engine     the rest of the step: scheduler, input preparation, output processing
 The step is timed once more without the profiler (median of --steps), so the profiler's own
-overhead shows as the difference of the two totals. Writes
-results/<date>-<machine>-profile-<shape>[-tag].{json,md,png}.
+overhead shows as the difference of the two totals. With --prefill N, the step is instead the
+prefill of N-token prompts (batch prompts at once, one output token each: what TTFT waits on), and
+engine also holds each request's setup. Writes
+results/<date>-<machine>-profile-<shape>[-prefillN][-tag].{json,md,png}.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def classify(event) -> str:
     return "other ops"
 
 
-def profile_one(model: str, cfg: str, batches: list[int], steps: int, greedy: bool) -> dict:
+def profile_one(model: str, cfg: str, batches: list[int], steps: int, greedy: bool, prefill: int = 0) -> dict:
     """In this process: one engine for config cfg, each batch size profiled and timed."""
     from torch.profiler import ProfilerActivity, profile, record_function
     from vllm import LLM, SamplingParams
@@ -75,8 +77,9 @@ def profile_one(model: str, cfg: str, batches: list[int], steps: int, greedy: bo
         with record_function("sampler"):
             return sample(*args, **kw)
     Sampler.forward = marked_sample
-    llm = LLM(model, quantization=c.quantization, dtype="bfloat16", max_model_len=512, seed=0,
-              enable_prefix_caching=False, max_num_seqs=max(batches))
+    llm = LLM(model, quantization=c.quantization, dtype="bfloat16", max_model_len=max(512, prefill + 16), seed=0,
+              enable_prefix_caching=False, max_num_seqs=max(batches),
+              max_num_batched_tokens=max(2048, max(batches) * prefill))
 
     def mark(m):  # outside the compiled decoder stack: the outer forward and the head
         for name, label in (("forward", "forward"), ("compute_logits", "lm_head")):
@@ -87,7 +90,8 @@ def profile_one(model: str, cfg: str, batches: list[int], steps: int, greedy: bo
                     return _inner(*args, **kw)
             setattr(m, name, wrapped)
     llm.apply_model(mark)
-    prompt = {"prompt_token_ids": list(range(1000, 1016))}  # 16 tokens: a short prefill
+    prompt_len = prefill or 16  # decode: a short prefill
+    prompt = {"prompt_token_ids": list(range(1000, 1000 + prompt_len))}
     sampling = {"temperature": 0.0} if greedy else llm.llm_engine.model_config.get_diff_sampling_param()
 
     def run(batch: int, tokens: int) -> float:
@@ -96,20 +100,23 @@ def profile_one(model: str, cfg: str, batches: list[int], steps: int, greedy: bo
                      use_tqdm=False)
         return time.perf_counter() - t0
 
-    out = {"config": cfg, "sampling": sampling, "batches": {}}
+    out = {"config": cfg, "sampling": sampling, "prefill_tokens": prefill, "batches": {}}
     for b in batches:
         run(b, 4)  # warm-up of this batch size
-        # unprofiled step: (n tokens - 1 token) / (n - 1), interleaved, median
-        step_s = statistics.median((run(b, steps + 1) - run(b, 1)) / steps for _ in range(3))
+        if prefill:  # a request of one output token: its prefill, head and draw
+            step_s = statistics.median(run(b, 1) for _ in range(steps))
+        else:  # (n tokens - 1 token) / (n - 1), interleaved, median
+            step_s = statistics.median((run(b, steps + 1) - run(b, 1)) / steps for _ in range(3))
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            run(b, steps + 2)
+            for _ in range(steps + 1 if prefill else 1):
+                run(b, 1 if prefill else steps + 2)
         engine_thread = threading_id(prof, "forward")  # once: it scans every event
         evs = [e for e in prof.events() if e.thread == engine_thread]
         fwd = sorted((e for e in evs if e.name == "forward"), key=lambda e: e.time_range.start)
         heads = sorted((e for e in evs if e.name == "lm_head"), key=lambda e: e.time_range.start)
         samples = [e for e in evs if e.name == "sampler"]
-        # forward 0 is the prefill, 1 the first decode; keep whole steps between later forwards
-        decode = list(range(2, len(fwd) - 1))
+        # decode: forward 0 is the prefill, 1 the first decode; keep whole steps between later forwards
+        decode = list(range(0 if prefill else 2, len(fwd) - 1))
         parts, by_op, wall = dict.fromkeys(PARTS, 0.0), {}, 0.0
         for i in decode:
             f0, f1 = fwd[i].time_range, fwd[i + 1].time_range
@@ -135,7 +142,8 @@ def profile_one(model: str, cfg: str, batches: list[int], steps: int, greedy: bo
         out["batches"][str(b)] = {"parts_ms": {k: v / n / 1e3 for k, v in parts.items()}, "profiled_steps": len(decode),
                                   "top_ops_ms": [[p, name, t / n / 1e3] for (p, name), t in top],
                                   "step_ms_profiled": wall / n / 1e3,
-                                  "step_ms_unprofiled": step_s * 1e3, "context_tokens": 16 + steps // 2}
+                                  "step_ms_unprofiled": step_s * 1e3,
+                                  "context_tokens": prefill or 16 + steps // 2}
         print(json.dumps({"config": cfg, "batch": b, **out["batches"][str(b)]}), flush=True)
     return out
 
@@ -161,7 +169,7 @@ def step_bytes(shape: str, cfg: str, batch: int, context: int) -> dict:
 def markdown(report: dict) -> str:
     bw = report["dram_read_gbs"]
     lines = [f"Qwen3-{report['shape']} (random weights), {report['cpu']}, {report['date']}; DRAM read "
-             f"{bw:.1f} GB/s (best of the probes before and after). ms per decode step; GB/s of the bytes "
+             f"{bw:.1f} GB/s (best of the probes before and after). ms per {step_name(report)}; GB/s of the bytes "
              f"each part reads (weights once a step, the KV cache once a sequence); bound = bytes / DRAM read. "
              f"Sampling: {report['rows'][0].get('sampling') if report['rows'] else ''}.",
              "", "| config | batch | " + " | ".join(PARTS) + " | parts of the profiled step | step unprofiled | "
@@ -186,6 +194,11 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def step_name(report: dict) -> str:
+    n = report.get("prefill_tokens", 0)
+    return f"prefill of {n}-token prompts" if n else "decode step"
+
+
 def plot(report: dict, path: str) -> bool:
     plt = report_file.pyplot()
     if plt is None:
@@ -201,8 +214,8 @@ def plot(report: dict, path: str) -> bool:
                label="step, unprofiled", zorder=3)
     ax.set_yticks(range(len(bars)), [n for n, _ in bars], fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("ms per decode step (profiled)")
-    ax.set_title(f"Qwen3-{report['shape']} decode step, {report['date']}", fontsize=9)
+    ax.set_xlabel(f"ms per {step_name(report)} (profiled)")
+    ax.set_title(f"Qwen3-{report['shape']} {step_name(report)}, {report['date']}", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -218,13 +231,15 @@ def main() -> int:
     ap.add_argument("--checkpoints", default="checkpoints")
     ap.add_argument("--out", default="results")
     ap.add_argument("--greedy", action="store_true", help="argmax sampling, not the checkpoint's defaults")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="profile the prefill of N-token prompts (--steps of them) instead of decode steps")
     ap.add_argument("--tag", default="", help="appended to the results file name")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: profile this config here, JSON to --out
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     if a.one:
         with open(a.out, "w") as f:
-            json.dump(profile_one(a.checkpoints, a.one, batches, a.steps, a.greedy), f)
+            json.dump(profile_one(a.checkpoints, a.one, batches, a.steps, a.greedy, a.prefill), f)
         return 0
     from configs import parse
     from linear import dram_read_gbs
@@ -243,7 +258,8 @@ def main() -> int:
             env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                    "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
             r = subprocess.run([sys.executable, __file__, "--one", cfg, "--checkpoints", model, "--out", out,
-                                "--batches", a.batches, "--steps", str(a.steps), *(["--greedy"] if a.greedy else [])],
+                                "--batches", a.batches, "--steps", str(a.steps), "--prefill", str(a.prefill),
+                                *(["--greedy"] if a.greedy else [])],
                                env=env)
             if r.returncode != 0:
                 print(f"{cfg}: profiling failed ({r.returncode})", file=sys.stderr)
@@ -255,10 +271,11 @@ def main() -> int:
         rows.append(row)
     bw.append(max(dram_read_gbs().values()))
     report = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "cpu": cpu_model(), "cpus": os.cpu_count(),
-              "command": " ".join(sys.argv), "shape": a.shape, "dram_read_gbs": max(bw), "dram_read_probes": bw,
+              "command": " ".join(sys.argv), "shape": a.shape, "prefill_tokens": a.prefill, "dram_read_gbs": max(bw), "dram_read_probes": bw,
               "rows": rows}
     md = markdown(report)
-    stem = report_file.write(a.out, f"profile-{a.shape}" + (f"-{a.tag}" if a.tag else ""), report, md)
+    name = f"profile-{a.shape}" + (f"-prefill{a.prefill}" if a.prefill else "") + (f"-{a.tag}" if a.tag else "")
+    stem = report_file.write(a.out, name, report, md)
     plot(report, stem + ".png")
     print("\n" + md + f"\n\nwrote {stem}.json, {stem}.md, {stem}.png")
     return 0

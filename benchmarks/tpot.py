@@ -59,7 +59,7 @@ def _row(cfg: str, shape: str, start: float, runs: list[dict]) -> dict:
     tpot = [r["tpot_s"] * 1000 for r in runs]
     ttft = [r["ttft_s"] * 1000 for r in runs]
     row = {"config": cfg, "shape": shape, "startup_s": round(start, 1), "tpot_ms_median": statistics.median(tpot),
-           "tpot_ms": tpot, "ttft_ms_median": statistics.median(ttft), "tokens": runs[0]["tokens"]}
+           "tpot_ms": tpot, "ttft_ms_median": statistics.median(ttft), "ttft_ms": ttft, "tokens": runs[0]["tokens"]}
     print(json.dumps(row), flush=True)
     return row
 
@@ -108,6 +108,7 @@ def run_paired(configs: list[str], root: str, shape: str, requests: int, max_tok
     rows = [_row(cfg, shape, start, runs[cfg]) for cfg, _, start in servers]
     for r in rows:
         r["paired_ratio"] = _spread(t / b for t, b in zip(r["tpot_ms"], rows[0]["tpot_ms"]))
+        r["paired_ttft_ratio"] = _spread(t / b for t, b in zip(r["ttft_ms"], rows[0]["ttft_ms"]))
     return rows, [max(a, b) for a, b in zip(probes, probes[1:])]
 
 
@@ -218,14 +219,17 @@ def main() -> None:
     plot(report, os.path.join(a.out, stamp + ".png"))
     base = rows[0]["tpot_ms_median"]
     paired = [f" per round: {_spread_text(r['paired_ratio'], 3)}" if "paired_ratio" in r else "" for r in rows]
-    lines = [f"| config | shape | TPOT ms (median of {a.requests}) | TTFT ms | TPOT vs {rows[0]['config']} "
+    lines = [f"| config | shape | TPOT ms (median of {a.requests}) | TTFT ms{' (vs the first row)' if a.paired else ''} "
+             f"| TPOT vs {rows[0]['config']} "
              f"| MB read per step | TPOT / its bandwidth bound |", "| --- | --- | --- | --- | --- | --- | --- |"]
     per_round = [f"; per round: {_spread_text(r['bound_ratio_per_round'], 2)}" if "bound_ratio_per_round" in r else ""
                  for r in rows]
-    lines += [f"| {r['config']} | {r['shape']} | {r['tpot_ms_median']:.1f} | {r['ttft_ms_median']:.0f} | "
+    ttft_rounds = [f"; per round {_spread_text(r['paired_ttft_ratio'], 2)}" if "paired_ttft_ratio" in r else ""
+                   for r in rows]
+    lines += [f"| {r['config']} | {r['shape']} | {r['tpot_ms_median']:.1f} | {r['ttft_ms_median']:.0f}{t} | "
               f"{r['tpot_ms_median'] / base:.2f}x{p} | {r['bytes_per_token'] / 1e6:.0f} | "
               f"{r['tpot_ms_median'] / r['bound_ms']:.2f}x ({r['bound_ms']:.1f} ms){b} |"
-              for r, p, b in zip(rows, paired, per_round)]
+              for r, p, b, t in zip(rows, paired, per_round, ttft_rounds)]
     head = header(report)
     if round_gbs:
         g = round_gbs

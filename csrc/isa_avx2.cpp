@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "a8w8.h"
 #include "avx2.h"
@@ -168,10 +169,6 @@ AVX2_TARGET inline __m128 silu4(__m128 g4) {
   return _mm256_cvtpd_ps(_mm256_div_pd(g, _mm256_add_pd(_mm256_set1_pd(1.0), e)));
 }
 
-struct Bf16Lanes {  // a bf16 row
-  const uint16_t* p;
-  AVX2_TARGET __m256 operator()(int64_t k, int64_t n) const { return load8_bf16(p + k, n); }
-};
 struct DequantLanes {  // int32 sums through the fp32 epilogue, (acc * ws[n]) * as
   const int32_t* acc;
   const float* ws;
@@ -192,10 +189,35 @@ AVX2_TARGET void silu_span(int64_t b, int64_t e, G gate, U up, uint16_t* y) {
   }
 }
 
+// fp32 SiLU of every bf16 bit pattern, by silu4.
+AVX2_TARGET void fill_silu_table(float* t) {
+  for (int i = 0; i < 1 << 16; i += 4) {
+    const __m128i bits = _mm_slli_epi32(_mm_add_epi32(_mm_set1_epi32(i), _mm_setr_epi32(0, 1, 2, 3)), 16);
+    _mm_storeu_ps(t + i, silu4(_mm_castsi128_ps(bits)));
+  }
+}
+
+// The unfused SiLU looks up a bf16 gate's fp64 SiLU, as the AVX-512 path does (isa_avx512.cpp).
+const float* silu_table() {
+  static const std::vector<float> t = [] {
+    std::vector<float> v(1 << 16);
+    fill_silu_table(v.data());
+    return v;
+  }();
+  return t.data();
+}
+
 }  // namespace
 
 AVX2_TARGET void silu_mul_bf16(int64_t b, int64_t e, const uint16_t* gate, const uint16_t* up, uint16_t* y) {
-  silu_span(b, e, Bf16Lanes{gate}, Bf16Lanes{up}, y);
+  const float* t = silu_table();
+  for (int64_t k = b; k < e; k += 8) {
+    const int64_t n = std::min<int64_t>(8, e - k);
+    // load8_bf16 leaves lanes past n at +0, whose bits index SiLU(+0)
+    const __m256i g = _mm256_srli_epi32(_mm256_castps_si256(load8_bf16(gate + k, n)), 16);
+    const __m256 s = _mm256_i32gather_ps(t, g, 4);
+    store8_bf16(y + k, to_bf16(_mm256_mul_ps(s, load8_bf16(up + k, n))), n);
+  }
 }
 
 AVX2_TARGET void silu_mul_acc(int64_t b, int64_t e, const int32_t* acc_gate, const int32_t* acc_up,

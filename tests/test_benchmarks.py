@@ -266,6 +266,8 @@ def test_tpot_script_pairs_the_configs_round_by_round(tmp_path):
     assert first["paired_ratio"] == {"median": 1.0, "min": 1.0, "max": 1.0}
     ratios = sorted(t / b for t, b in zip(second["tpot_ms"], first["tpot_ms"]))
     assert second["paired_ratio"]["median"] == pytest.approx(ratios[1]) and second["paired_ratio"]["min"] > 0
+    ttft = sorted(t / b for t, b in zip(second["ttft_ms"], first["ttft_ms"]))  # TTFT too, round by round
+    assert second["paired_ttft_ratio"]["median"] == pytest.approx(ttft[1]) and len(second["ttft_ms"]) == 3
     g = rep["round_gbs"]
     assert len(g) == 3 and min(g) > 0
     for row in rep["rows"]:  # TPOT over the bound round by round, at the probes beside each round
@@ -334,6 +336,24 @@ def test_profile_step_breaks_a_decode_step_down(tmp_path):
         assert m["bytes"]["lm_head"] == 151936 * 256  # int8 head: one byte a weight
     assert {n.rsplit(".", 1)[1] for n in os.listdir(tmp_path) if "profile" in n} == {"json", "md", "png"}
     assert all(n.rsplit(".", 1)[0].endswith("-profile-tiny-t") for n in os.listdir(tmp_path) if "profile" in n)
+
+
+@pytest.mark.slow  # one in-process engine (~1 min): make test-slow, which CI runs
+def test_profile_step_breaks_a_prefill_down(tmp_path):
+    """--prefill N profiles what a request's first token waits on: the prefill of an N-token prompt,
+    whose linears run on N rows (the M = N path of our GEMMs, not the decode GEMV)."""
+    r = run_script("profile_step.py", "--shape", "tiny", "--configs", "pypto-a8w8:w8a8", "--prefill", "40",
+                   "--batches", "1", "--steps", "3", "--greedy", "--checkpoints", str(tmp_path / "ckpt"),
+                   "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = only_json(tmp_path)
+    assert rep["prefill_tokens"] == 40 and "prefill of 40-token prompts" in r.stdout
+    m = rep["rows"][0]["batches"]["1"]
+    assert m["profiled_steps"] == 3 and m["context_tokens"] == 40
+    assert 0.9 * m["step_ms_profiled"] <= sum(m["parts_ms"].values()) <= 1.0001 * m["step_ms_profiled"], m
+    ops = {(p, name) for p, name, _ in m["top_ops_ms"]}
+    assert ("linears", "pypto_cpu::a8w8_linear_q") in ops and ("small ops", "pypto_cpu::silu_mul_quant") in ops
+    assert all(n.rsplit(".", 1)[0].endswith("-profile-tiny-prefill40") for n in os.listdir(tmp_path) if "profile" in n)
 
 
 def serving_metrics() -> list[str]:
