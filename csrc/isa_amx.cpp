@@ -49,8 +49,8 @@ AMX_TARGET void load_tile_config() {
 }
 
 // One 64-channel weight tile for rows [r0, r0 + 16): one A tile against the whole tile, 4 C
-// tiles and 3 B tiles in rotation, so the weights stream in order, once per 16 rows (measured
-// faster than 2x2 blocks of 32 rows x 32 channels at every M from 24 to 2048: docs/performance.md).
+// tiles and 3 B tiles in rotation, so the weights stream in order, once per 16 rows (without the
+// prefetch below, faster than 2x2 blocks at every M from 24 to 2048; with it, see block2).
 // The activation rows are padded to a multiple of 16 (q 0) so tiles never read past them.
 // Tile loads from L2 leave the tile unit waiting (a probe: 1.1-1.5 TOPS a core from L2, 2.5-4.1 from
 // L1), so with several blocks (`ahead`) each K step pulls the next step's A and B lines into L1,
@@ -95,6 +95,50 @@ AMX_TARGET void block(const Gemm& g, const int8_t* wt, int64_t r0, int64_t n0, b
   }
 }
 
+// Rows [r0, r0 + 32) x the 32 channels of half h of a weight tile: 2 A tiles x 2 B tiles, each
+// loaded tile used twice, with the next K step's A and B lines pulled into L1 as in block().
+template <bool I32>
+AMX_TARGET void block2(const Gemm& g, const int8_t* wt, int64_t r0, int64_t h, TilePrefetch pf) {
+  alignas(64) int32_t c[32][32];
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  const uint8_t* a = g.a + r0 * g.Kp;
+  const int64_t steps = g.Kp / KA;
+  for (int64_t kb = 0; kb < steps; ++kb) {
+    const int8_t* b = wt + kb * 16 * 256 + h * 128;
+    if (kb + 1 < steps) {
+      const char* an = reinterpret_cast<const char*>(a + (kb + 1) * KA);
+      for (int r = 0; r < 32; ++r) _mm_prefetch(an + r * g.Kp, _MM_HINT_T0);
+      const char* bn = reinterpret_cast<const char*>(b + 16 * 256);
+      for (int l = 0; l < 16; ++l) {
+        _mm_prefetch(bn + l * 256, _MM_HINT_T0);
+        _mm_prefetch(bn + l * 256 + 64, _MM_HINT_T0);
+      }
+    }
+    for (int i = 0; i < 16; ++i) pf.step();  // a K step is 16 groups of 4
+    _tile_loadd(4, a + kb * KA, g.Kp);
+    _tile_loadd(6, b, 256);
+    _tile_dpbusd(0, 4, 6);
+    _tile_loadd(7, b + 64, 256);
+    _tile_dpbusd(1, 4, 7);
+    _tile_loadd(5, a + 16 * g.Kp + kb * KA, g.Kp);
+    _tile_dpbusd(2, 5, 6);
+    _tile_dpbusd(3, 5, 7);
+  }
+  _tile_stored(0, &c[0][0], 128); _tile_stored(1, &c[0][16], 128);
+  _tile_stored(2, &c[16][0], 128); _tile_stored(3, &c[16][16], 128);
+  const int64_t n0 = (wt - g.w) / g.tile_bytes() * NT + 32 * h;
+  for (int s = 0; s < 2; ++s) {
+    const int64_t n = n0 + 16 * s;
+    if (n >= g.N) break;
+    const __mmask16 m = avx512::tail_mask(g.N - n);
+    const __m512i cp = _mm512_maskz_loadu_epi32(m, g.comp + n);
+    const __m512 ws = I32 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, g.ws + n);
+    for (int64_t r = 0; r < 32 && r0 + r < g.M; ++r)
+      avx512::store16<I32>(_mm512_load_si512(&c[r][16 * s]), cp, ws, I32 ? 0.f : g.ascale[r0 + r],
+                           g.y + (r0 + r) * g.ldy, n, m);
+  }
+}
+
 template <bool I32>
 AMX_TARGET void tiles(const Gemm& g, int64_t tb, int64_t te) {
   load_tile_config();
@@ -105,11 +149,22 @@ AMX_TARGET void tiles(const Gemm& g, int64_t tb, int64_t te) {
   // The next tile goes to L2 while this one is read from there, so both must fit in half of an
   // AMX core's 2 MiB L2 (K <= 8192): with 1.1 MB tiles (K = 17408) it ran 0.97x at M = 64.
   const bool ahead = g.M > 16, next_tile = ahead && 2 * g.tile_bytes() <= (int64_t{1} << 20);
+  // Many blocks of rows whose tiles come from L2 go in pairs, 2 A x 2 B tiles: a fifth fewer
+  // tile bytes loaded per tdpbusd than 1 A x 4 B. With fewer blocks (M = 64: 0.80-0.84x), or
+  // tiles too large for the next one in L2 (down at K = 17408: 0.91x), the old blocks stay.
+  const int64_t all_blocks = (std::min(g.M, Mc) + 15) / 16;
+  const bool paired = next_tile && all_blocks >= 8;
   for (int64_t m0 = 0; m0 < g.M; m0 += Mc) {
     const int64_t m1 = std::min(g.M, m0 + Mc), blocks = (m1 - m0 + 15) / 16;
     for (int64_t t = tb; t < te; ++t) {
       const int8_t* wt = g.w + t * g.tile_bytes();
-      for (int64_t r0 = m0, b = 0; r0 < m1; r0 += 16, ++b)
+      // each pair is two calls, one per half of the tile: blocks calls in all, each a share of the next tile
+      const int64_t pairs = paired ? blocks / 2 : 0;
+      int64_t b = 0;
+      for (int64_t p = 0; p < pairs; ++p)
+        for (int64_t h = 0; h < 2; ++h, ++b)
+          block2<I32>(g, wt, m0 + 32 * p, h, next_tile_share(g, wt, next_tile && t + 1 < te, b, blocks));
+      for (int64_t r0 = m0 + 32 * pairs; r0 < m1; r0 += 16, ++b)
         block<I32>(g, wt, r0, t * NT, ahead, next_tile_share(g, wt, next_tile && t + 1 < te, b, blocks));
     }
   }

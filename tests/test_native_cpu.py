@@ -61,6 +61,7 @@ def test_random_shapes_bit_identical(seed, isa):
 
 @pytest.mark.parametrize("M,K", [(1, 200), (2, 200), (3, 200), (4, 200), (5, 200), (15, 200), (16, 200), (17, 200), (31, 200),
                                  (32, 200), (33, 200), (64, 200), (65, 200), (97, 200),
+                                 (113, 200), (130, 200), (160, 520),  # AMX: pairs of 16-row blocks, + one
                                  (1070, 8200)])  # the last: AMX takes rows in chunks of ~8 MiB (1008 + 62 here)
 def test_row_block_edges(M, K, isa):
     x, w, ws = _case(M, K, 150, M, "special")
