@@ -73,6 +73,17 @@ inline TilePrefetch next_tile_share(const Gemm& g, const int8_t* wt, bool has_ne
   return {p, end, static_cast<int>(std::min<int64_t>(4, (share / 64 + groups - 1) / groups))};
 }
 
+// A table of f(x) for every bf16 bit pattern x, filled once by Fill (one table per Fill).
+template <void (*Fill)(float*)>
+const float* bf16_table() {
+  static const std::vector<float> t = [] {
+    std::vector<float> v(1 << 16);
+    Fill(v.data());
+    return v;
+  }();
+  return t.data();
+}
+
 // The kernels of one ISA path. Row ops work on bf16 as raw uint16 bits.
 struct Kernels {
   const char* name;

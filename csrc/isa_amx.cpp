@@ -48,6 +48,22 @@ AMX_TARGET void load_tile_config() {
   _tile_loadconfig(&cfg);
 }
 
+// The epilogue of int32 sums c (ldc a row) for rows [r0, r0 + rows) and channels [n0, n0 + ldc),
+// rows past M and channels past N left out.
+template <bool I32>
+AMX_TARGET void store_sums(const Gemm& g, const int32_t* c, int64_t ldc, int64_t r0, int64_t rows, int64_t n0) {
+  for (int64_t s = 0; s < ldc / 16; ++s) {
+    const int64_t n = n0 + 16 * s;
+    if (n >= g.N) break;
+    const __mmask16 m = avx512::tail_mask(g.N - n);
+    const __m512i cp = _mm512_maskz_loadu_epi32(m, g.comp + n);
+    const __m512 ws = I32 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, g.ws + n);
+    for (int64_t r = 0; r < rows && r0 + r < g.M; ++r)
+      avx512::store16<I32>(_mm512_load_si512(c + r * ldc + 16 * s), cp, ws, I32 ? 0.f : g.ascale[r0 + r],
+                           g.y + (r0 + r) * g.ldy, n, m);
+  }
+}
+
 // One 64-channel weight tile for rows [r0, r0 + 16): one A tile against the whole tile, 4 C
 // tiles and 3 B tiles in rotation, so the weights stream in order, once per 16 rows (without the
 // prefetch below, faster than 2x2 blocks at every M from 24 to 2048; with it, see block2).
@@ -83,16 +99,7 @@ AMX_TARGET void block(const Gemm& g, const int8_t* wt, int64_t r0, int64_t n0, b
   }
   _tile_stored(0, &c[0][0], 256); _tile_stored(1, &c[0][16], 256);
   _tile_stored(2, &c[0][32], 256); _tile_stored(3, &c[0][48], 256);
-  for (int s = 0; s < 4; ++s) {
-    const int64_t n = n0 + 16 * s;
-    if (n >= g.N) break;
-    const __mmask16 m = avx512::tail_mask(g.N - n);
-    const __m512i cp = _mm512_maskz_loadu_epi32(m, g.comp + n);
-    const __m512 ws = I32 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, g.ws + n);
-    for (int64_t r = 0; r < 16 && r0 + r < g.M; ++r)
-      avx512::store16<I32>(_mm512_load_si512(&c[r][16 * s]), cp, ws, I32 ? 0.f : g.ascale[r0 + r],
-                           g.y + (r0 + r) * g.ldy, n, m);
-  }
+  store_sums<I32>(g, &c[0][0], 64, r0, 16, n0);
 }
 
 // Rows [r0, r0 + 32) x the 32 channels of half h of a weight tile: 2 A tiles x 2 B tiles, each
@@ -126,17 +133,7 @@ AMX_TARGET void block2(const Gemm& g, const int8_t* wt, int64_t r0, int64_t h, T
   }
   _tile_stored(0, &c[0][0], 128); _tile_stored(1, &c[0][16], 128);
   _tile_stored(2, &c[16][0], 128); _tile_stored(3, &c[16][16], 128);
-  const int64_t n0 = (wt - g.w) / g.tile_bytes() * NT + 32 * h;
-  for (int s = 0; s < 2; ++s) {
-    const int64_t n = n0 + 16 * s;
-    if (n >= g.N) break;
-    const __mmask16 m = avx512::tail_mask(g.N - n);
-    const __m512i cp = _mm512_maskz_loadu_epi32(m, g.comp + n);
-    const __m512 ws = I32 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, g.ws + n);
-    for (int64_t r = 0; r < 32 && r0 + r < g.M; ++r)
-      avx512::store16<I32>(_mm512_load_si512(&c[r][16 * s]), cp, ws, I32 ? 0.f : g.ascale[r0 + r],
-                           g.y + (r0 + r) * g.ldy, n, m);
-  }
+  store_sums<I32>(g, &c[0][0], 32, r0, 32, (wt - g.w) / g.tile_bytes() * NT + 32 * h);
 }
 
 template <bool I32>

@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <vector>
 
 #include "a8w8.h"
 #include "avx2.h"
@@ -197,20 +196,11 @@ AVX2_TARGET void fill_silu_table(float* t) {
   }
 }
 
-// The unfused SiLU looks up a bf16 gate's fp64 SiLU, as the AVX-512 path does (isa_avx512.cpp).
-const float* silu_table() {
-  static const std::vector<float> t = [] {
-    std::vector<float> v(1 << 16);
-    fill_silu_table(v.data());
-    return v;
-  }();
-  return t.data();
-}
-
 }  // namespace
 
+// The unfused SiLU looks up a bf16 gate's fp64 SiLU, as the AVX-512 path does (isa_avx512.cpp).
 AVX2_TARGET void silu_mul_bf16(int64_t b, int64_t e, const uint16_t* gate, const uint16_t* up, uint16_t* y) {
-  const float* t = silu_table();
+  const float* t = bf16_table<fill_silu_table>();
   for (int64_t k = b; k < e; k += 8) {
     const int64_t n = std::min<int64_t>(8, e - k);
     // load8_bf16 leaves lanes past n at +0, whose bits index SiLU(+0)

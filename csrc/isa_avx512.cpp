@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <vector>
 
 #include "avx512.h"
 
@@ -243,22 +242,13 @@ AVX512_TARGET void fill_silu_table(float* t) {
   }
 }
 
+}  // namespace
+
 // A bf16 gate takes one of 65,536 values, so the unfused SiLU looks its fp64 SiLU up (256 KB, of
 // which a layer's gates use a few KB) instead of computing exp per lane: the same bits, and
 // silu_mul_quant on 130 rows of 3,072 ran 3.2x faster on a Xeon (docs/performance.md, 2026-12-05 night).
-const float* silu_table() {
-  static const std::vector<float> t = [] {
-    std::vector<float> v(1 << 16);
-    fill_silu_table(v.data());
-    return v;
-  }();
-  return t.data();
-}
-
-}  // namespace
-
 AVX512_TARGET void silu_mul_bf16(int64_t b, int64_t e, const uint16_t* gate, const uint16_t* up, uint16_t* y) {
-  const float* t = silu_table();
+  const float* t = bf16_table<fill_silu_table>();
   for (int64_t k = b; k < e; k += 16) {
     const __mmask16 m = tail_mask(e - k);
     const __m512i g = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, gate + k));
