@@ -77,9 +77,9 @@ def profile_one(model: str, cfg: str, batches: list[int], steps: int, greedy: bo
         with record_function("sampler"):
             return sample(*args, **kw)
     Sampler.forward = marked_sample
+    batched = {"max_num_batched_tokens": max(2048, max(batches) * prefill)} if prefill else {}  # one step a prefill
     llm = LLM(model, quantization=c.quantization, dtype="bfloat16", max_model_len=max(512, prefill + 16), seed=0,
-              enable_prefix_caching=False, max_num_seqs=max(batches),
-              max_num_batched_tokens=max(2048, max(batches) * prefill))
+              enable_prefix_caching=False, max_num_seqs=max(batches), **batched)
 
     def mark(m):  # outside the compiled decoder stack: the outer forward and the head
         for name, label in (("forward", "forward"), ("compute_logits", "lm_head")):
@@ -271,7 +271,8 @@ def main() -> int:
         rows.append(row)
     bw.append(max(dram_read_gbs().values()))
     report = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "cpu": cpu_model(), "cpus": os.cpu_count(),
-              "command": " ".join(sys.argv), "shape": a.shape, "prefill_tokens": a.prefill, "dram_read_gbs": max(bw), "dram_read_probes": bw,
+              "command": " ".join(sys.argv), "shape": a.shape, "prefill_tokens": a.prefill,
+              "dram_read_gbs": max(bw), "dram_read_probes": bw,
               "rows": rows}
     md = markdown(report)
     name = f"profile-{a.shape}" + (f"-prefill{a.prefill}" if a.prefill else "") + (f"-{a.tag}" if a.tag else "")

@@ -351,8 +351,8 @@ def test_profile_step_breaks_a_prefill_down(tmp_path):
     m = rep["rows"][0]["batches"]["1"]
     assert m["profiled_steps"] == 3 and m["context_tokens"] == 40
     assert 0.9 * m["step_ms_profiled"] <= sum(m["parts_ms"].values()) <= 1.0001 * m["step_ms_profiled"], m
-    ops = {(p, name) for p, name, _ in m["top_ops_ms"]}
-    assert ("linears", "pypto_cpu::a8w8_linear_q") in ops and ("small ops", "pypto_cpu::silu_mul_quant") in ops
+    assert ("linears", "pypto_cpu::a8w8_linear_q") in {(p, name) for p, name, _ in m["top_ops_ms"]}
+    assert m["parts_ms"]["small ops"] > 0 and m["parts_ms"]["attention"] > 0
     assert all(n.rsplit(".", 1)[0].endswith("-profile-tiny-prefill40") for n in os.listdir(tmp_path) if "profile" in n)
 
 
