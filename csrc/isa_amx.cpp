@@ -102,10 +102,10 @@ AMX_TARGET void block(const Gemm& g, const int8_t* wt, int64_t r0, int64_t n0, b
   store_sums<I32>(g, &c[0][0], 64, r0, 16, n0);
 }
 
-// Rows [r0, r0 + 32) x the 32 channels of half h of a weight tile: 2 A tiles x 2 B tiles, each
+// Rows [r0, r0 + 32) x the 32 channels of half h of the weight tile at channel n0: 2 A tiles x 2 B tiles, each
 // loaded tile used twice, with the next K step's A and B lines pulled into L1 as in block().
 template <bool I32>
-AMX_TARGET void block2(const Gemm& g, const int8_t* wt, int64_t r0, int64_t h, TilePrefetch pf) {
+AMX_TARGET void block2(const Gemm& g, const int8_t* wt, int64_t r0, int64_t n0, int64_t h, TilePrefetch pf) {
   alignas(64) int32_t c[32][32];
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   const uint8_t* a = g.a + r0 * g.Kp;
@@ -133,7 +133,7 @@ AMX_TARGET void block2(const Gemm& g, const int8_t* wt, int64_t r0, int64_t h, T
   }
   _tile_stored(0, &c[0][0], 128); _tile_stored(1, &c[0][16], 128);
   _tile_stored(2, &c[16][0], 128); _tile_stored(3, &c[16][16], 128);
-  store_sums<I32>(g, &c[0][0], 32, r0, 32, (wt - g.w) / g.tile_bytes() * NT + 32 * h);
+  store_sums<I32>(g, &c[0][0], 32, r0, 32, n0 + 32 * h);
 }
 
 template <bool I32>
@@ -160,7 +160,7 @@ AMX_TARGET void tiles(const Gemm& g, int64_t tb, int64_t te) {
       int64_t b = 0;
       for (int64_t p = 0; p < pairs; ++p)
         for (int64_t h = 0; h < 2; ++h, ++b)
-          block2<I32>(g, wt, m0 + 32 * p, h, next_tile_share(g, wt, next_tile && t + 1 < te, b, blocks));
+          block2<I32>(g, wt, m0 + 32 * p, t * NT, h, next_tile_share(g, wt, next_tile && t + 1 < te, b, blocks));
       for (int64_t r0 = m0 + 32 * pairs; r0 < m1; r0 += 16, ++b)
         block<I32>(g, wt, r0, t * NT, ahead, next_tile_share(g, wt, next_tile && t + 1 < te, b, blocks));
     }
