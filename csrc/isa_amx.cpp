@@ -70,8 +70,8 @@ AMX_TARGET void store_sums(const Gemm& g, const int32_t* c, int64_t ldc, int64_t
 // The activation rows are padded to a multiple of 16 (q 0) so tiles never read past them.
 // Tile loads from L2 leave the tile unit waiting (a probe: 1.1-1.5 TOPS a core from L2, 2.5-4.1 from
 // L1), so with several blocks (`ahead`) each K step pulls the next step's A and B lines into L1,
-// and `pf` its share of the next weight tile into L2 (1.1-1.3x at M = 64 and 256 on a Xeon). One
-// block streams its tile from DRAM as fast without (docs/performance.md, 2026-12-05 evening).
+// and `pf` its share of the next weight tile into L2 (1.1-1.3x at M = 64 and 256 on a Xeon). A
+// single block has `pf` stream its own tile ahead instead (stream_ahead).
 template <bool I32>
 AMX_TARGET void block(const Gemm& g, const int8_t* wt, int64_t r0, int64_t n0, bool ahead, TilePrefetch pf) {
   alignas(64) int32_t c[16][64];
@@ -136,6 +136,15 @@ AMX_TARGET void block2(const Gemm& g, const int8_t* wt, int64_t r0, int64_t n0, 
   store_sums<I32>(g, &c[0][0], 32, r0, 32, n0 + 32 * h);
 }
 
+// One block of rows (M <= 16) reads each weight tile once, straight from DRAM: it pulls the lines
+// 32 KiB ahead of its tile loads into L2, across tile ends up to the thread's last tile. M = 4 and
+// 16, Qwen3-1.7B and 14B linears: 1.02-1.10x (gemm_ab.py); 8 KiB into L1 ran 0.85x, 128 KiB 1.00x.
+inline TilePrefetch stream_ahead(const Gemm& g, const int8_t* wt, int64_t te) {
+  constexpr int64_t ahead_bytes = 32 << 10;
+  const int8_t* end = std::min(wt + g.tile_bytes() + ahead_bytes, g.w + te * g.tile_bytes());
+  return {wt + ahead_bytes, end, 4};  // 4 lines a K group: the 64 lines (4 KiB) a K step reads
+}
+
 template <bool I32>
 AMX_TARGET void tiles(const Gemm& g, int64_t tb, int64_t te) {
   load_tile_config();
@@ -162,7 +171,8 @@ AMX_TARGET void tiles(const Gemm& g, int64_t tb, int64_t te) {
         for (int64_t h = 0; h < 2; ++h, ++b)
           block2<I32>(g, wt, m0 + 32 * p, t * NT, h, next_tile_share(g, wt, next_tile && t + 1 < te, b, blocks));
       for (int64_t r0 = m0 + 32 * pairs; r0 < m1; r0 += 16, ++b)
-        block<I32>(g, wt, r0, t * NT, ahead, next_tile_share(g, wt, next_tile && t + 1 < te, b, blocks));
+        block<I32>(g, wt, r0, t * NT, ahead,
+                   ahead ? next_tile_share(g, wt, next_tile && t + 1 < te, b, blocks) : stream_ahead(g, wt, te));
     }
   }
   _tile_release();
