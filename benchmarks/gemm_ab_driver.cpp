@@ -18,6 +18,12 @@
 
 using namespace a8w8;
 
+// Bytes between activation rows: Gemm::lda() where the revision has it, else Kp.
+template <class G>
+auto row_stride_of(G g, int, int64_t Kp) -> decltype(g.lda()) { return g.Kp = Kp, g.lda(); }
+template <class G>
+int64_t row_stride_of(G, long, int64_t Kp) { return Kp; }
+
 int main(int argc, char** argv) {
   if (argc != 7) {
     std::fprintf(stderr, "usage: %s ISA M K N THREADS SECONDS\n", argv[0]);
@@ -42,8 +48,11 @@ int main(int argc, char** argv) {
   uint32_t seed = 12345;
   for (auto& c : w)
     for (auto& v : c) v = static_cast<int8_t>(static_cast<int>((seed = seed * 1664525u + 1013904223u) >> 24) % 255 - 127);
-  std::vector<uint8_t> a(k->rows_held(M) * Kp);
-  for (auto& v : a) v = static_cast<uint8_t>((seed = seed * 1664525u + 1013904223u) >> 24);
+  // the same M x Kp values at the revision's row stride, so that both builds' outputs hash alike
+  const int64_t lda = row_stride_of(Gemm{}, 0, Kp);
+  std::vector<uint8_t> a(k->rows_held(M) * lda);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t c = 0; c < Kp; ++c) a[r * lda + c] = static_cast<uint8_t>((seed = seed * 1664525u + 1013904223u) >> 24);
   std::vector<float> as(M, 1e-3f), ws(N, 2e-3f);
   std::vector<int32_t> comp(Np, 0);
   std::vector<uint16_t> y(M * N);

@@ -76,18 +76,18 @@ template <bool I32>
 AMX_TARGET void block(const Gemm& g, const int8_t* wt, int64_t r0, int64_t n0, bool ahead, TilePrefetch pf) {
   alignas(64) int32_t c[16][64];
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  const uint8_t* a = g.a + r0 * g.Kp;
-  const int64_t steps = g.Kp / KA;
+  const int64_t lda = g.lda(), steps = g.Kp / KA;
+  const uint8_t* a = g.a + r0 * lda;
   for (int64_t kb = 0; kb < steps; ++kb) {
     const int8_t* b = wt + kb * 16 * 256;
     if (ahead && kb + 1 < steps) {
       const char* an = reinterpret_cast<const char*>(a + (kb + 1) * KA);
-      for (int r = 0; r < 16; ++r) _mm_prefetch(an + r * g.Kp, _MM_HINT_T0);
+      for (int r = 0; r < 16; ++r) _mm_prefetch(an + r * lda, _MM_HINT_T0);
       const char* bn = reinterpret_cast<const char*>(b + 16 * 256);
       for (int l = 0; l < 64; ++l) _mm_prefetch(bn + l * 64, _MM_HINT_T0);
     }
     for (int i = 0; i < 16; ++i) pf.step();  // a K step is 16 groups of 4
-    _tile_loadd(4, a + kb * KA, g.Kp);
+    _tile_loadd(4, a + kb * KA, lda);
     _tile_loadd(5, b, 256);
     _tile_dpbusd(0, 4, 5);
     _tile_loadd(6, b + 64, 256);
@@ -108,13 +108,13 @@ template <bool I32>
 AMX_TARGET void block2(const Gemm& g, const int8_t* wt, int64_t r0, int64_t n0, int64_t h, TilePrefetch pf) {
   alignas(64) int32_t c[32][32];
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  const uint8_t* a = g.a + r0 * g.Kp;
-  const int64_t steps = g.Kp / KA;
+  const int64_t lda = g.lda(), steps = g.Kp / KA;
+  const uint8_t* a = g.a + r0 * lda;
   for (int64_t kb = 0; kb < steps; ++kb) {
     const int8_t* b = wt + kb * 16 * 256 + h * 128;
     if (kb + 1 < steps) {
       const char* an = reinterpret_cast<const char*>(a + (kb + 1) * KA);
-      for (int r = 0; r < 32; ++r) _mm_prefetch(an + r * g.Kp, _MM_HINT_T0);
+      for (int r = 0; r < 32; ++r) _mm_prefetch(an + r * lda, _MM_HINT_T0);
       const char* bn = reinterpret_cast<const char*>(b + 16 * 256);
       for (int l = 0; l < 16; ++l) {
         _mm_prefetch(bn + l * 256, _MM_HINT_T0);
@@ -122,12 +122,12 @@ AMX_TARGET void block2(const Gemm& g, const int8_t* wt, int64_t r0, int64_t n0, 
       }
     }
     for (int i = 0; i < 16; ++i) pf.step();  // a K step is 16 groups of 4
-    _tile_loadd(4, a + kb * KA, g.Kp);
+    _tile_loadd(4, a + kb * KA, lda);
     _tile_loadd(6, b, 256);
     _tile_dpbusd(0, 4, 6);
     _tile_loadd(7, b + 64, 256);
     _tile_dpbusd(1, 4, 7);
-    _tile_loadd(5, a + 16 * g.Kp + kb * KA, g.Kp);
+    _tile_loadd(5, a + 16 * lda + kb * KA, lda);
     _tile_dpbusd(2, 5, 6);
     _tile_dpbusd(3, 5, 7);
   }
@@ -151,7 +151,7 @@ AMX_TARGET void tiles(const Gemm& g, int64_t tb, int64_t te) {
   // Rows in chunks of about 8 MiB of activations: every chunk streams the whole weight from DRAM
   // once more, while a chunk re-read per tile comes from L3 (chunks sized for L2 cost more in
   // weight passes than they saved: docs/performance.md).
-  const int64_t Mc = std::max<int64_t>(16, (int64_t{8} << 20) / g.Kp / 16 * 16);
+  const int64_t Mc = std::max<int64_t>(16, (int64_t{8} << 20) / g.lda() / 16 * 16);
   // The next tile goes to L2 while this one is read from there, so both must fit in half of an
   // AMX core's 2 MiB L2 (K <= 8192): with 1.1 MB tiles (K = 17408) it ran 0.97x at M = 64.
   const bool ahead = g.M > 16, next_tile = ahead && 2 * g.tile_bytes() <= (int64_t{1} << 20);

@@ -70,8 +70,8 @@ AVX512_TARGET void tile_kernel(const Gemm& g, const int8_t* wt, int64_t r0, int6
   __m512i c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z;
   __m512i c20 = z, c21 = z, c22 = z, c23 = z, c30 = z, c31 = z, c32 = z, c33 = z;
   __m512i c40 = z, c41 = z, c42 = z, c43 = z, c50 = z, c51 = z, c52 = z, c53 = z;
-  const int64_t Kp = g.Kp;
-  const uint8_t* act = g.a + r0 * Kp;
+  const int64_t Kp = g.Kp, lda = g.lda();
+  const uint8_t* act = g.a + r0 * lda;
   for (int64_t gi = 0; gi < Kp / 4; ++gi) {
     const int8_t* w = wt + gi * 256;
     if constexpr (R == 1)
@@ -84,7 +84,7 @@ AVX512_TARGET void tile_kernel(const Gemm& g, const int8_t* wt, int64_t r0, int6
 #define A8W8_ROW(r)                                                                                     \
   {                                                                                                     \
     int32_t a4;                                                                                         \
-    std::memcpy(&a4, ag + r * Kp, 4);                                                                   \
+    std::memcpy(&a4, ag + r * lda, 4);                                                                  \
     const __m512i a = _mm512_set1_epi32(a4);                                                            \
     A8W8_DPBUSD(c##r##0, a, w0);                                                                       \
     A8W8_DPBUSD(c##r##1, a, w1);                                                                       \

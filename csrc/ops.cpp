@@ -56,14 +56,14 @@ std::vector<torch::Tensor> prepack(torch::Tensor w) {
 
 namespace {
 
-// Quantized activation rows (Kp bytes each, in the path's encoding) with their fp32 scales.
+// Quantized activation rows (Kp bytes each, row_stride(Kp) apart, in the path's encoding) with their fp32 scales.
 struct Act {
   const Kernels& k;
   std::vector<uint8_t> a;
   std::vector<float> scale;
-  int64_t M, Kp;
-  Act(const Kernels& k_, int64_t M_, int64_t Kp_) : k(k_), M(M_), Kp(Kp_) {
-    a.assign(k.rows_held(M) * Kp, k.u8 ? 128 : 0);  // extra rows: q = 0
+  int64_t M, Kp, lda;
+  Act(const Kernels& k_, int64_t M_, int64_t Kp_) : k(k_), M(M_), Kp(Kp_), lda(row_stride(Kp_)) {
+    a.assign(k.rows_held(M) * lda, k.u8 ? 128 : 0);  // extra rows: q = 0
     scale.resize(M);
   }
 };
@@ -74,28 +74,28 @@ void quantize_rows(const torch::Tensor& x2, const float* given_amax, Act& act) {
   const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
   at::parallel_for(0, act.M, 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r)
-      act.k.quantize_row(xp + r * K, K, act.Kp, act.a.data() + r * act.Kp, act.scale.data() + r,
+      act.k.quantize_row(xp + r * K, K, act.Kp, act.a.data() + r * act.lda, act.scale.data() + r,
                          given_amax ? given_amax + r : nullptr, act.k.u8);
   });
 }
 
-// Rows of K bytes, each XOR flip, into rows of Kp. Its own function with everything by value:
+// Rows of K bytes, each XOR flip, into rows lda apart. Its own function with everything by value:
 // a byte store may alias any pointer or size read through a reference (a lambda's captures, the
 // vector behind act.a), and GCC then reloads them every byte and keeps the loop scalar (about a
 // byte a cycle: 7 ms of a 130-token 0.6B prefill on a Xeon).
-void flip_rows(const uint8_t* __restrict src, uint8_t* __restrict dst, int64_t rows, int64_t K, int64_t Kp,
+void flip_rows(const uint8_t* __restrict src, uint8_t* __restrict dst, int64_t rows, int64_t K, int64_t lda,
                uint8_t flip) {
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t k = 0; k < K; ++k) dst[r * Kp + k] = src[r * K + k] ^ flip;
+    for (int64_t k = 0; k < K; ++k) dst[r * lda + k] = src[r * K + k] ^ flip;
 }
 
 // Already-quantized s8 rows (q, scale) into `act`: u8 = q + 128 is q with its top bit flipped.
 void load_rows(const torch::Tensor& q2, const torch::Tensor& scale, Act& act) {
-  const int64_t K = q2.size(1), Kp = act.Kp;
+  const int64_t K = q2.size(1), lda = act.lda;
   const auto* qp = reinterpret_cast<const uint8_t*>(q2.data_ptr<int8_t>());
   uint8_t* ap = act.a.data();
   const uint8_t flip = act.k.u8 ? 0x80 : 0;
-  at::parallel_for(0, act.M, 16, [&](int64_t b, int64_t e) { flip_rows(qp + b * K, ap + b * Kp, e - b, K, Kp, flip); });
+  at::parallel_for(0, act.M, 16, [&](int64_t b, int64_t e) { flip_rows(qp + b * K, ap + b * lda, e - b, K, lda, flip); });
   std::memcpy(act.scale.data(), scale.data_ptr<float>(), act.M * sizeof(float));
 }
 
