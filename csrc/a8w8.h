@@ -35,8 +35,8 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // Bytes from one activation row to the next: Kp, plus one cache line where Kp is an even number of
 // lines. At K = 2048 or 6144 the 32 rows of an AMX row-block pair would fall into 2 of L1's 64 sets
-// and evict each other at every K step; an odd number of lines puts them in 32 sets (M = 256 and
-// 2048 on AMX: 1.13-1.30x at K = 1024, 2048 and 6144).
+// and evict each other at every K step; an odd number of lines puts them in 32 sets (1.7B's
+// linears on AMX at M = 256 and 2048: 1.12-1.32x, gemm_ab.py, docs/performance.md).
 inline int64_t row_stride(int64_t Kp) { return (Kp / 64) % 2 ? Kp : Kp + 64; }
 
 // One GEMM over quantized rows: y[M, N] = (sum_k a w - comp) * ws[n] * ascale[r] in bf16, or the
