@@ -61,11 +61,12 @@ struct Act {
   const Kernels& k;
   std::vector<uint8_t> a;
   std::vector<float> scale;
-  int64_t M, Kp, lda;
-  Act(const Kernels& k_, int64_t M_, int64_t Kp_) : k(k_), M(M_), Kp(Kp_), lda(row_stride(Kp_)) {
-    a.assign(k.rows_held(M) * lda, k.u8 ? 128 : 0);  // extra rows: q = 0
+  int64_t M, Kp;
+  Act(const Kernels& k_, int64_t M_, int64_t Kp_) : k(k_), M(M_), Kp(Kp_) {
+    a.assign(k.rows_held(M) * lda(), k.u8 ? 128 : 0);  // extra rows: q = 0
     scale.resize(M);
   }
+  int64_t lda() const { return row_stride(Kp); }  // as Gemm::lda()
 };
 
 // bf16 rows (optionally with a given amax per row) into `act`.
@@ -74,7 +75,7 @@ void quantize_rows(const torch::Tensor& x2, const float* given_amax, Act& act) {
   const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
   at::parallel_for(0, act.M, 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r)
-      act.k.quantize_row(xp + r * K, K, act.Kp, act.a.data() + r * act.lda, act.scale.data() + r,
+      act.k.quantize_row(xp + r * K, K, act.Kp, act.a.data() + r * act.lda(), act.scale.data() + r,
                          given_amax ? given_amax + r : nullptr, act.k.u8);
   });
 }
@@ -91,7 +92,7 @@ void flip_rows(const uint8_t* __restrict src, uint8_t* __restrict dst, int64_t r
 
 // Already-quantized s8 rows (q, scale) into `act`: u8 = q + 128 is q with its top bit flipped.
 void load_rows(const torch::Tensor& q2, const torch::Tensor& scale, Act& act) {
-  const int64_t K = q2.size(1), lda = act.lda;
+  const int64_t K = q2.size(1), lda = act.lda();
   const auto* qp = reinterpret_cast<const uint8_t*>(q2.data_ptr<int8_t>());
   uint8_t* ap = act.a.data();
   const uint8_t flip = act.k.u8 ? 0x80 : 0;
