@@ -36,8 +36,17 @@ LEN = 2048
 COMMON = ("--served-model-name", MODEL, "--max-model-len", str(LEN), "--max-num-seqs", "8")
 
 
+def tiny_server(model: str, *args: str, env: dict | None = None) -> VllmServer:
+    """A server with 128 MiB of KV cache instead of VllmServer's 1 GiB (8 x 2048 tokens of the tiny
+    model take 16 MiB): 3.8 against 4.7 GB a server. CI once ran out of its 24 GiB with four of
+    these up beside the other xdist worker's servers, and an engine found no room for its cache;
+    so only `srv` lives for the whole module, and at most one other server beside it."""
+    return VllmServer(model, "--kv-cache-memory-bytes", str(128 << 20), *args,
+                      env={"VLLM_CPU_KVCACHE_SPACE": None, **(env or {})})
+
+
 def serve(model: str, *args: str, env: dict | None = None):
-    with VllmServer(model, *COMMON, *args, env=env) as s:
+    with tiny_server(model, *COMMON, *args, env=env) as s:
         yield s
 
 
@@ -47,7 +56,7 @@ def srv(tiny_w8a8):
     yield from serve(tiny_w8a8, "--quantization", "pypto-a8w8", "--no-enable-prefix-caching")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def srv_cached(tiny_w8a8):
     """pypto-a8w8 with prefix caching and prefill chunks of 32 tokens."""
     yield from serve(tiny_w8a8, "--quantization", "pypto-a8w8", "--enable-prefix-caching",
@@ -106,6 +115,94 @@ def mixed_prompts(n: int = 16, seed: int = 0) -> list[str]:
         prompts.append(shared + " " + tail if i % 3 == 0 else tail)
     return prompts
 
+
+# The tests that start servers of their own come first: `srv` (module scope) is started after them,
+# so it never stands beside them (see tiny_server).
+
+# --- overflowing activations --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_overflow(tiny_w8a8, tmp_path_factory) -> str:
+    """The W8A8 test model with layer 0's down_proj scales at 3e38 for 8 channels: every
+    token's MLP output overflows to inf, the next RMSNorm turns it into NaN."""
+    d = tmp_path_factory.mktemp("overflow") / "tiny-overflow"
+    shutil.copytree(tiny_w8a8, d)
+    for f in d.glob("*.safetensors"):
+        t = load_file(f)
+        key = "model.layers.0.mlp.down_proj.weight_scale"
+        if key in t:
+            t[key][:8] = 3e38
+            save_file(t, f, metadata={"format": "pt"})
+    return str(d)
+
+
+def test_overflowing_activations_keep_the_server_up(tiny_overflow, tmp_path):
+    prompts = PROMPTS[:2]
+    ref = run_generate(tiny_overflow, str(tmp_path / "ref.json"), "--quantization", "pypto-a8w8",
+                       env={"VLLM_PYPTO_BACKEND": "reference"}, max_tokens=8, prompts=prompts)
+    with tiny_server(tiny_overflow, *COMMON, "--quantization", "pypto-a8w8") as s:
+        got = [complete(s, p, max_tokens=8) for p in prompts]
+        streamed = complete(s, prompts[0], max_tokens=8, stream=True)
+        with_logprobs = ask(s, "/v1/completions", {"prompt": prompts[1], "max_tokens": 2, "logprobs": 1})
+        health = requests.get(s.url + "/health", timeout=10).status_code
+        errors = metrics(s).get("vllm:request_success_total:error", 0)
+    assert got == [r["token_ids"] for r in ref["results"]], "native and reference backends disagree on NaN rows"
+    assert streamed == got[0]
+    # NaN logits: greedy takes token 0; vLLM refuses to put NaN logprobs in JSON (a 400, not a 5xx).
+    assert with_logprobs == (400, "Out of range float values are not JSON compliant")
+    assert health == 200 and errors == 0
+
+
+# --- tensor parallelism -------------------------------------------------------------------------
+
+# The bf16 checkpoint only: its tensors are quantized as they arrive and then go through the very
+# loaders (int8 weight, fp32 scale parameters, vLLM's TP slicing) a W8A8 checkpoint's take, so one
+# TP=2 server covers both (a second one cost CI ~3 minutes).
+@pytest.mark.parametrize("ckpt, tp1", [("tiny_bf16", "out_bf16_quantized")])
+def test_tensor_parallel_2_equals_tp_1(ckpt, tp1, request):
+    """vLLM's own multiprocess executor, one worker per core. TP=1 outputs: the offline engine's."""
+    model, expect = request.getfixturevalue(ckpt), request.getfixturevalue(tp1)["results"]
+    with tiny_server(model, *COMMON, "--quantization", "pypto-a8w8", "--tensor-parallel-size", "2",
+                         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as s:
+        got = [complete(s, r["prompt_token_ids"], max_tokens=48) for r in expect]
+        log = s.log_tail(2000)
+    shards = re.findall(r"pypto-a8w8: (\S+) holds weight \[(\d+), (\d+)\] and (\d+) scales of \[(\d+), (\d+)\] "
+                        r"on TP rank (\d)/2", log)
+    assert {(name, rank) for name, *_, rank in shards} == {
+        (f"model.layers.0.{m}", r) for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                             "mlp.down_proj") for r in "01"}
+    for name, *sizes, _ in shards:
+        n, k, scales, full_n, full_k = map(int, sizes)
+        # column-parallel: half the output channels and their scales; row-parallel: half of K, all scales
+        row = name.endswith(("o_proj", "down_proj"))
+        assert (n, k, scales) == ((full_n, full_k // 2, full_n) if row else (full_n // 2, full_k, full_n // 2)), name
+    diverged = [i for i, (g, r) in enumerate(zip(got, expect)) if g != r["token_ids"]]
+    assert not diverged, f"TP=2 differs from TP=1 on prompts {diverged}"
+    print(f"\nTP=2 {ckpt}: {len(got)}/{len(got)} prompts x 48 tokens equal TP=1")
+
+
+# --- schema fuzzing -----------------------------------------------------------------------------
+
+def test_schemathesis_finds_no_server_error(tiny_w8a8, tmp_path):
+    """Property-based requests from the server's own OpenAPI schema, bounded (25 per
+    operation, fixed seed); a short context keeps each accepted generation cheap."""
+    with tiny_server(tiny_w8a8, "--served-model-name", MODEL, "--max-model-len", "128", "--max-num-seqs", "8",
+                     "--quantization", "pypto-a8w8") as s:
+        r = subprocess.run([shutil.which("schemathesis") or os.path.join(os.path.dirname(sys.executable),
+                                                                             "schemathesis"),
+                            "run", s.url + "/openapi.json", "--checks", "not_a_server_error", "--phases",
+                            "examples,fuzzing", "--max-examples", "25", "--seed", "0", "--workers", "2",
+                            "--request-timeout", "120", "--exclude-path-regex", "elastic_ep"],
+                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
+        healthy = s.healthy()
+        log = s.log_tail(100000)
+    summary = re.search(r"(\d+) generated, (\d+) passed", r.stdout)
+    assert r.returncode == 0 and summary, r.stdout[-4000:]
+    assert int(summary.group(1)) >= 200 and summary.group(1) == summary.group(2), r.stdout[-4000:]
+    assert healthy and not re.search(r'" 5\d\d ', log)
+
+
+# --- batch invariance, aborts and bursts on one long-lived server ---------------------------------
 
 @pytest.mark.parametrize("which", ["srv", "srv_cached"])
 def test_concurrent_requests_equal_batch_one(which, request):
@@ -216,7 +313,7 @@ def test_burst_past_the_scheduler_loses_nothing(srv):
 
 # --- hostile requests: same answers as stock vLLM ----------------------------------------------
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def stock(tiny_bf16):
     """Stock vLLM (no quantization) on the same model, tokenizer and limits."""
     yield from serve(tiny_bf16)
@@ -270,86 +367,3 @@ def test_hostile_requests_answered_like_stock_vllm(srv, stock):
     assert not mismatched, mismatched
     assert ask(srv, *HOSTILE["prompt_one_over"])[0] == 400 and ask(srv, *HOSTILE["prompt_at_limit"])[0] == 200
     assert requests.get(srv.url + "/health", timeout=10).status_code == 200
-
-
-# --- overflowing activations --------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny_overflow(tiny_w8a8, tmp_path_factory) -> str:
-    """The W8A8 test model with layer 0's down_proj scales at 3e38 for 8 channels: every
-    token's MLP output overflows to inf, the next RMSNorm turns it into NaN."""
-    d = tmp_path_factory.mktemp("overflow") / "tiny-overflow"
-    shutil.copytree(tiny_w8a8, d)
-    for f in d.glob("*.safetensors"):
-        t = load_file(f)
-        key = "model.layers.0.mlp.down_proj.weight_scale"
-        if key in t:
-            t[key][:8] = 3e38
-            save_file(t, f, metadata={"format": "pt"})
-    return str(d)
-
-
-def test_overflowing_activations_keep_the_server_up(tiny_overflow, tmp_path):
-    prompts = PROMPTS[:2]
-    ref = run_generate(tiny_overflow, str(tmp_path / "ref.json"), "--quantization", "pypto-a8w8",
-                       env={"VLLM_PYPTO_BACKEND": "reference"}, max_tokens=8, prompts=prompts)
-    with VllmServer(tiny_overflow, *COMMON, "--quantization", "pypto-a8w8") as s:
-        got = [complete(s, p, max_tokens=8) for p in prompts]
-        streamed = complete(s, prompts[0], max_tokens=8, stream=True)
-        with_logprobs = ask(s, "/v1/completions", {"prompt": prompts[1], "max_tokens": 2, "logprobs": 1})
-        health = requests.get(s.url + "/health", timeout=10).status_code
-        errors = metrics(s).get("vllm:request_success_total:error", 0)
-    assert got == [r["token_ids"] for r in ref["results"]], "native and reference backends disagree on NaN rows"
-    assert streamed == got[0]
-    # NaN logits: greedy takes token 0; vLLM refuses to put NaN logprobs in JSON (a 400, not a 5xx).
-    assert with_logprobs == (400, "Out of range float values are not JSON compliant")
-    assert health == 200 and errors == 0
-
-
-# --- tensor parallelism -------------------------------------------------------------------------
-
-# The bf16 checkpoint only: its tensors are quantized as they arrive and then go through the very
-# loaders (int8 weight, fp32 scale parameters, vLLM's TP slicing) a W8A8 checkpoint's take, so one
-# TP=2 server covers both (a second one cost CI ~3 minutes).
-@pytest.mark.parametrize("ckpt, tp1", [("tiny_bf16", "out_bf16_quantized")])
-def test_tensor_parallel_2_equals_tp_1(ckpt, tp1, request):
-    """vLLM's own multiprocess executor, one worker per core. TP=1 outputs: the offline engine's."""
-    model, expect = request.getfixturevalue(ckpt), request.getfixturevalue(tp1)["results"]
-    with VllmServer(model, *COMMON, "--quantization", "pypto-a8w8", "--tensor-parallel-size", "2",
-                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as s:
-        got = [complete(s, r["prompt_token_ids"], max_tokens=48) for r in expect]
-        log = s.log_tail(2000)
-    shards = re.findall(r"pypto-a8w8: (\S+) holds weight \[(\d+), (\d+)\] and (\d+) scales of \[(\d+), (\d+)\] "
-                        r"on TP rank (\d)/2", log)
-    assert {(name, rank) for name, *_, rank in shards} == {
-        (f"model.layers.0.{m}", r) for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
-                                             "mlp.down_proj") for r in "01"}
-    for name, *sizes, _ in shards:
-        n, k, scales, full_n, full_k = map(int, sizes)
-        # column-parallel: half the output channels and their scales; row-parallel: half of K, all scales
-        row = name.endswith(("o_proj", "down_proj"))
-        assert (n, k, scales) == ((full_n, full_k // 2, full_n) if row else (full_n // 2, full_k, full_n // 2)), name
-    diverged = [i for i, (g, r) in enumerate(zip(got, expect)) if g != r["token_ids"]]
-    assert not diverged, f"TP=2 differs from TP=1 on prompts {diverged}"
-    print(f"\nTP=2 {ckpt}: {len(got)}/{len(got)} prompts x 48 tokens equal TP=1")
-
-
-# --- schema fuzzing -----------------------------------------------------------------------------
-
-def test_schemathesis_finds_no_server_error(tiny_w8a8, tmp_path):
-    """Property-based requests from the server's own OpenAPI schema, bounded (25 per
-    operation, fixed seed); a short context keeps each accepted generation cheap."""
-    with VllmServer(tiny_w8a8, "--served-model-name", MODEL, "--max-model-len", "128", "--max-num-seqs", "8",
-                    "--quantization", "pypto-a8w8") as s:
-        r = subprocess.run([shutil.which("schemathesis") or os.path.join(os.path.dirname(sys.executable),
-                                                                             "schemathesis"),
-                            "run", s.url + "/openapi.json", "--checks", "not_a_server_error", "--phases",
-                            "examples,fuzzing", "--max-examples", "25", "--seed", "0", "--workers", "2",
-                            "--request-timeout", "120", "--exclude-path-regex", "elastic_ep"],
-                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
-        healthy = s.healthy()
-        log = s.log_tail(100000)
-    summary = re.search(r"(\d+) generated, (\d+) passed", r.stdout)
-    assert r.returncode == 0 and summary, r.stdout[-4000:]
-    assert int(summary.group(1)) >= 200 and summary.group(1) == summary.group(2), r.stdout[-4000:]
-    assert healthy and not re.search(r'" 5\d\d ', log)

@@ -56,6 +56,15 @@ class VllmServer:
         with open(self.log.name, errors="replace") as f:
             return "".join(f.readlines()[-n:])
 
+    def failure_report(self) -> str:
+        """The log's first error (an engine core's root cause comes long before the API server's
+        own traceback, which fills the tail), then the tail, and where the whole log is."""
+        with open(self.log.name, errors="replace") as f:
+            lines = f.readlines()
+        first = next((i for i, ln in enumerate(lines) if "ERROR" in ln or "Traceback" in ln), len(lines))
+        head = lines[first:first + 80] if first < len(lines) - 40 else []
+        return "".join(head + (["[...]\n"] if head else []) + lines[-40:]) + f"(whole log: {self.log.name})"
+
     def command(self) -> list[str]:
         return [vllm_command(), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port), *self.args]
 
@@ -69,12 +78,12 @@ class VllmServer:
                 self.progress(time.time() - t0, last)
                 shown = last
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.failure_report()}")
             if self.healthy():
                 return self
             time.sleep(1.0)
         self.stop()
-        raise TimeoutError(f"{self.name} not healthy after {self.startup_timeout:.0f}s:\n{self.log_tail()}")
+        raise TimeoutError(f"{self.name} not healthy after {self.startup_timeout:.0f}s:\n{self.failure_report()}")
 
     def healthy(self) -> bool:
         try:
