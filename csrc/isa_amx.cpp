@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <vector>
 
 #include "avx512.h"
 
@@ -64,6 +65,14 @@ AMX_TARGET void store_sums(const Gemm& g, const int32_t* c, int64_t ldc, int64_t
   }
 }
 
+// Where the 16 x 64 A tile of 16-row block i at K step kb lies: in g.a's rows (lda apart), or, with several
+// blocks, in a copy packed tile by tile (see tiles()).
+struct ATiles {
+  const uint8_t* base;
+  int64_t ld, step, block, first;  // row, K step and block strides; the block at base
+  const uint8_t* at(int64_t i, int64_t kb) const { return base + (i - first) * block + kb * step; }
+};
+
 // One 64-channel weight tile for rows [r0, r0 + 16): one A tile against the whole tile, 4 C
 // tiles and 3 B tiles in rotation, so the weights stream in order, once per 16 rows (without the
 // prefetch below, faster than 2x2 blocks at every M from 24 to 2048; with it, see block2).
@@ -73,21 +82,21 @@ AMX_TARGET void store_sums(const Gemm& g, const int32_t* c, int64_t ldc, int64_t
 // and `pf` its share of the next weight tile into L2 (1.1-1.3x at M = 64 and 256 on a Xeon). A
 // single block has `pf` stream its own tile ahead instead (stream_ahead).
 template <bool I32>
-AMX_TARGET void block(const Gemm& g, const int8_t* wt, int64_t r0, int64_t n0, bool ahead, TilePrefetch pf) {
+AMX_TARGET void block(const Gemm& g, const ATiles& A, const int8_t* wt, int64_t r0, int64_t n0, bool ahead,
+                      TilePrefetch pf) {
   alignas(64) int32_t c[16][64];
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  const int64_t lda = g.lda(), steps = g.Kp / KA;
-  const uint8_t* a = g.a + r0 * lda;
+  const int64_t steps = g.Kp / KA;
   for (int64_t kb = 0; kb < steps; ++kb) {
     const int8_t* b = wt + kb * 16 * 256;
     if (ahead && kb + 1 < steps) {
-      const char* an = reinterpret_cast<const char*>(a + (kb + 1) * KA);
-      for (int r = 0; r < 16; ++r) _mm_prefetch(an + r * lda, _MM_HINT_T0);
+      const char* an = reinterpret_cast<const char*>(A.at(r0 / 16, kb + 1));
+      for (int r = 0; r < 16; ++r) _mm_prefetch(an + r * A.ld, _MM_HINT_T0);
       const char* bn = reinterpret_cast<const char*>(b + 16 * 256);
       for (int l = 0; l < 64; ++l) _mm_prefetch(bn + l * 64, _MM_HINT_T0);
     }
     for (int i = 0; i < 16; ++i) pf.step();  // a K step is 16 groups of 4
-    _tile_loadd(4, a + kb * KA, lda);
+    _tile_loadd(4, A.at(r0 / 16, kb), A.ld);
     _tile_loadd(5, b, 256);
     _tile_dpbusd(0, 4, 5);
     _tile_loadd(6, b + 64, 256);
@@ -105,16 +114,20 @@ AMX_TARGET void block(const Gemm& g, const int8_t* wt, int64_t r0, int64_t n0, b
 // Rows [r0, r0 + 32) x the 32 channels of half h of the weight tile at channel n0: 2 A tiles x 2 B tiles, each
 // loaded tile used twice, with the next K step's A and B lines pulled into L1 as in block().
 template <bool I32>
-AMX_TARGET void block2(const Gemm& g, const int8_t* wt, int64_t r0, int64_t n0, int64_t h, TilePrefetch pf) {
+AMX_TARGET void block2(const Gemm& g, const ATiles& A, const int8_t* wt, int64_t r0, int64_t n0, int64_t h,
+                       TilePrefetch pf) {
   alignas(64) int32_t c[32][32];
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  const int64_t lda = g.lda(), steps = g.Kp / KA;
-  const uint8_t* a = g.a + r0 * lda;
+  const int64_t steps = g.Kp / KA;
   for (int64_t kb = 0; kb < steps; ++kb) {
     const int8_t* b = wt + kb * 16 * 256 + h * 128;
     if (kb + 1 < steps) {
-      const char* an = reinterpret_cast<const char*>(a + (kb + 1) * KA);
-      for (int r = 0; r < 32; ++r) _mm_prefetch(an + r * lda, _MM_HINT_T0);
+      const char* an0 = reinterpret_cast<const char*>(A.at(r0 / 16, kb + 1));
+      const char* an1 = reinterpret_cast<const char*>(A.at(r0 / 16 + 1, kb + 1));
+      for (int r = 0; r < 16; ++r) {
+        _mm_prefetch(an0 + r * A.ld, _MM_HINT_T0);
+        _mm_prefetch(an1 + r * A.ld, _MM_HINT_T0);
+      }
       const char* bn = reinterpret_cast<const char*>(b + 16 * 256);
       for (int l = 0; l < 16; ++l) {
         _mm_prefetch(bn + l * 256, _MM_HINT_T0);
@@ -122,12 +135,12 @@ AMX_TARGET void block2(const Gemm& g, const int8_t* wt, int64_t r0, int64_t n0, 
       }
     }
     for (int i = 0; i < 16; ++i) pf.step();  // a K step is 16 groups of 4
-    _tile_loadd(4, a + kb * KA, lda);
+    _tile_loadd(4, A.at(r0 / 16, kb), A.ld);
     _tile_loadd(6, b, 256);
     _tile_dpbusd(0, 4, 6);
     _tile_loadd(7, b + 64, 256);
     _tile_dpbusd(1, 4, 7);
-    _tile_loadd(5, a + 16 * lda + kb * KA, lda);
+    _tile_loadd(5, A.at(r0 / 16 + 1, kb), A.ld);
     _tile_dpbusd(2, 5, 6);
     _tile_dpbusd(3, 5, 7);
   }
@@ -145,6 +158,27 @@ inline TilePrefetch stream_ahead(const Gemm& g, const int8_t* wt, int64_t te) {
   return {wt + ahead_bytes, end, 4};  // 4 lines a K group: the 64 lines (4 KiB) a K step reads
 }
 
+// With several blocks, each weight tile re-reads every A tile from L2 or L3, and a tile of rows lda apart is 16
+// lines on as many pages. Packed tile by tile (1 KiB each, a block's tiles in K order), a block's A is one
+// stream for the prefetchers on few pages. Each thread packs the rows of its chunk for its own tiles, a copy
+// of M x Kp bytes: 1.07-1.22x on Qwen3-1.7B and 14B linears at M = 20-2048, and with it pairs of blocks pay
+// from M = 17 on (gemm_ab.py, docs/performance.md).
+struct alignas(64) ATile {
+  uint8_t v[16 * KA];
+};
+
+AMX_TARGET ATiles pack_rows(const Gemm& g, int64_t m0, int64_t m1, std::vector<ATile>& buf) {
+  const int64_t steps = g.Kp / KA, blocks = (m1 - m0 + 15) / 16, lda = g.lda();
+  if (static_cast<int64_t>(buf.size()) < blocks * steps) buf.resize(blocks * steps);
+  for (int64_t i = 0; i < blocks; ++i)
+    for (int64_t r = 0; r < 16; ++r) {  // rows past M are the buffer's padding rows (rows_held)
+      const uint8_t* src = g.a + (m0 + 16 * i + r) * lda;
+      for (int64_t kb = 0; kb < steps; ++kb)
+        _mm512_store_si512(buf[i * steps + kb].v + r * KA, _mm512_loadu_si512(src + kb * KA));
+    }
+  return {buf[0].v, KA, 16 * KA, steps * 16 * KA, m0 / 16};
+}
+
 template <bool I32>
 AMX_TARGET void tiles(const Gemm& g, int64_t tb, int64_t te) {
   load_tile_config();
@@ -155,13 +189,14 @@ AMX_TARGET void tiles(const Gemm& g, int64_t tb, int64_t te) {
   // The next tile goes to L2 while this one is read from there, so both must fit in half of an
   // AMX core's 2 MiB L2 (K <= 8192): with 1.1 MB tiles (K = 17408) it ran 0.97x at M = 64.
   const bool ahead = g.M > 16, next_tile = ahead && 2 * g.tile_bytes() <= (int64_t{1} << 20);
-  // Many blocks of rows whose tiles come from L2 go in pairs, 2 A x 2 B tiles: a fifth fewer
-  // tile bytes loaded per tdpbusd than 1 A x 4 B. With fewer blocks (M = 64: 0.80-0.84x), or
-  // tiles too large for the next one in L2 (down at K = 17408: 0.91x), the old blocks stay.
-  const int64_t all_blocks = (std::min(g.M, Mc) + 15) / 16;
-  const bool paired = next_tile && all_blocks >= 8;
+  // Blocks of rows whose tiles come from L2 go in pairs, 2 A x 2 B tiles: a fifth fewer tile bytes
+  // loaded per tdpbusd than 1 A x 4 B (with A packed, from M = 17; tiles too large for the next one
+  // in L2, as down's at K = 17408, keep 1 x 4: 0.89-0.91x in pairs).
+  const bool paired = next_tile;
+  thread_local std::vector<ATile> packed;  // up to a chunk's 8 MiB a thread, kept for the next call
   for (int64_t m0 = 0; m0 < g.M; m0 += Mc) {
     const int64_t m1 = std::min(g.M, m0 + Mc), blocks = (m1 - m0 + 15) / 16;
+    const ATiles A = ahead ? pack_rows(g, m0, m1, packed) : ATiles{g.a, g.lda(), KA, 16 * g.lda(), 0};
     for (int64_t t = tb; t < te; ++t) {
       const int8_t* wt = g.w + t * g.tile_bytes();
       // each pair is two calls, one per half of the tile: blocks calls in all, each a share of the next tile
@@ -169,9 +204,9 @@ AMX_TARGET void tiles(const Gemm& g, int64_t tb, int64_t te) {
       int64_t b = 0;
       for (int64_t p = 0; p < pairs; ++p)
         for (int64_t h = 0; h < 2; ++h, ++b)
-          block2<I32>(g, wt, m0 + 32 * p, t * NT, h, next_tile_share(g, wt, next_tile && t + 1 < te, b, blocks));
+          block2<I32>(g, A, wt, m0 + 32 * p, t * NT, h, next_tile_share(g, wt, next_tile && t + 1 < te, b, blocks));
       for (int64_t r0 = m0 + 32 * pairs; r0 < m1; r0 += 16, ++b)
-        block<I32>(g, wt, r0, t * NT, ahead,
+        block<I32>(g, A, wt, r0, t * NT, ahead,
                    ahead ? next_tile_share(g, wt, next_tile && t + 1 < te, b, blocks) : stream_ahead(g, wt, te));
     }
   }
