@@ -161,7 +161,7 @@ inline TilePrefetch stream_ahead(const Gemm& g, const int8_t* wt, int64_t te) {
 // With several blocks, each weight tile re-reads every A tile from L2 or L3, and a tile of rows lda apart is 16
 // lines on as many pages. Packed tile by tile (1 KiB each, a block's tiles in K order), a block's A is one
 // stream for the prefetchers on few pages. Each thread packs the rows of its chunk for its own tiles, a copy
-// of M x Kp bytes: 1.07-1.22x on Qwen3-1.7B and 14B linears at M = 20-2048, and with it pairs of blocks pay
+// of M x Kp bytes: 1.02-1.24x on Qwen3-1.7B and 14B linears at M = 20-2048 (14B down 1.00-1.04x), and pairs pay
 // from M = 17 on (gemm_ab.py, docs/performance.md).
 struct alignas(64) ATile {
   uint8_t v[16 * KA];
