@@ -97,8 +97,7 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default="results")
     a = ap.parse_args()
-    from vllm.platforms import current_platform
-    current_platform.import_kernels()  # torch.ops._C from the build this CPU runs: vllm._C needs AVX512-BF16
+    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C from the build this CPU runs, as linear.py)
 
     rows = [run_batch(b, a.vocab, a.rounds) for b in map(int, a.batches.split(","))]
     rep = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model(), "isa_flags": " ".join(cpu_isa_flags()),

