@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <vector>
 
 #include "a8w8.h"
@@ -44,10 +45,19 @@ int main(int argc, char** argv) {
   }
   const int64_t Kp = round_up(K, KA), Np = round_up(N, NT), tiles = Np / NT, bytes = tiles * (Kp / 4) * 256;
   const int64_t copies = std::max<int64_t>(3, (int64_t{1} << 30) / bytes + 1);
-  std::vector<std::vector<int8_t>> w(copies, std::vector<int8_t>(bytes));
+  // 64-byte aligned, as torch allocates the packed weights. A malloc'd copy starts 16 bytes into
+  // its page, so half its 32-byte loads straddle two lines: that slowed 2-5 rows by up to 1.4x
+  // against the op, and ranked a change that the op ran slower as faster (docs/performance.md).
+  struct Free {
+    void operator()(int8_t* p) const { std::free(p); }
+  };
+  std::vector<std::unique_ptr<int8_t[], Free>> w;
   uint32_t seed = 12345;
-  for (auto& c : w)
-    for (auto& v : c) v = static_cast<int8_t>(static_cast<int>((seed = seed * 1664525u + 1013904223u) >> 24) % 255 - 127);
+  for (int64_t c = 0; c < copies; ++c) {
+    w.emplace_back(static_cast<int8_t*>(std::aligned_alloc(64, bytes)));
+    for (int64_t i = 0; i < bytes; ++i)
+      w.back()[i] = static_cast<int8_t>(static_cast<int>((seed = seed * 1664525u + 1013904223u) >> 24) % 255 - 127);
+  }
   // the same M x Kp values at the revision's row stride, so that both builds' outputs hash alike
   const int64_t lda = row_stride_of(Gemm{}, 0, Kp);
   std::vector<uint8_t> a(k->rows_held(M) * lda);
@@ -69,12 +79,12 @@ int main(int argc, char** argv) {
   const auto t_end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
   for (int64_t i = 0; i < 2 * copies || std::chrono::steady_clock::now() < t_end; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    run(w[i % copies].data());
+    run(w[i % copies].get());
     if (i >= copies) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   std::sort(times.begin(), times.end());
   const double t = times[times.size() / 2];
-  run(w[0].data());  // the hash's output: the same copy for every build
+  run(w[0].get());  // the hash's output: the same copy for every build
   uint64_t h = 1469598103934665603ull;
   for (uint16_t v : y) h = (h ^ v) * 1099511628211ull;
   std::printf("{\"ms\": %.4f, \"GOPS\": %.2f, \"weight_GBs\": %.2f, \"calls\": %zu, \"hash\": \"%016llx\"}\n", t * 1e3,
