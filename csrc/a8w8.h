@@ -33,6 +33,13 @@ constexpr int64_t KA = 64;  // K padding: one AMX tile row of int8
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// M = 1 streams its weights with all four lines of a group prefetched 32 groups (8 KB) ahead: on an
+// AVX2-only EPYC (Zen 3) one line 2 KB ahead, or the hardware prefetchers alone, left the GEMV
+// 10-20 points further below the read probe (an interleaved A/B of builds, docs/performance.md).
+// The read probe prefetches as far ahead, so that it bounds what the GEMV's loads can read: on a
+// Zen 5 EPYC the probe without it read 15% less than with it, and less than the GEMV itself.
+constexpr int64_t PF_BYTES = 8192;
+
 // Bytes from one activation row to the next: Kp, plus one cache line where Kp is an even number of
 // lines. At K = 2048 or 6144 the 32 rows of an AMX row-block pair would fall into 2 of L1's 64 sets
 // and evict each other at every K step; an odd number of lines puts them in 32 sets (1.7B's

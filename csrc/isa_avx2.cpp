@@ -217,9 +217,11 @@ AVX2_TARGET void silu_mul_acc(int64_t b, int64_t e, const int32_t* acc_gate, con
 
 AVX2_TARGET int64_t read_slice(const uint8_t* p, int64_t n) {
   __m256i acc = _mm256_setzero_si256();
-  for (int64_t i = 0; i + 128 <= n; i += 128)
-    for (int j = 0; j < 128; j += 32)
+  for (int64_t i = 0; i + 256 <= n; i += 256) {
+    for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + i + PF_BYTES + 64 * l), _MM_HINT_T0);
+    for (int j = 0; j < 256; j += 32)
       acc = _mm256_xor_si256(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + j)));
+  }
   alignas(32) int64_t t[4];
   _mm256_store_si256(reinterpret_cast<__m256i*>(t), acc);
   return t[0] + t[1] + t[2] + t[3];

@@ -57,10 +57,6 @@ namespace {
 // prefetch below ran 1.23-1.54x faster on a Zen 4 EPYC (docs/performance.md, gemm_ab.py).
 #define A8W8_DPBUSD(acc, a, w) asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(w))
 
-// M = 1 prefetches all four lines of the group 32 groups (8 KB) ahead, as the 256-bit GEMV does
-// (where an A/B of prefetch distances chose it); before, one line 2 KB ahead.
-constexpr int PF_GROUPS = 32;
-
 // One 64-channel tile for R <= MR rows: 4 x R int32 accumulators, weights read once per block;
 // R > 1 prefetches `pf`, its share of the next tile (a8w8.h).
 template <int R, bool I32>
@@ -75,7 +71,7 @@ AVX512_TARGET void tile_kernel(const Gemm& g, const int8_t* wt, int64_t r0, int6
   for (int64_t gi = 0; gi < Kp / 4; ++gi) {
     const int8_t* w = wt + gi * 256;
     if constexpr (R == 1)
-      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(w + 256 * PF_GROUPS + 64 * l), _MM_HINT_T0);
+      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(w + PF_BYTES + 64 * l), _MM_HINT_T0);
     else
       pf.step();
     const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
@@ -265,6 +261,7 @@ AVX512_TARGET void silu_mul_acc(int64_t b, int64_t e, const int32_t* acc_gate, c
 AVX512_TARGET int64_t read_slice(const uint8_t* p, int64_t n) {
   __m512i acc = _mm512_setzero_si512();
   for (int64_t i = 0; i + 256 <= n; i += 256) {
+    for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + i + PF_BYTES + 64 * l), _MM_HINT_T0);
     acc = _mm512_xor_si512(acc, _mm512_loadu_si512(p + i));
     acc = _mm512_xor_si512(acc, _mm512_loadu_si512(p + i + 64));
     acc = _mm512_xor_si512(acc, _mm512_loadu_si512(p + i + 128));
