@@ -37,7 +37,7 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // AVX2-only EPYC (Zen 3) one line 2 KB ahead, or the hardware prefetchers alone, left the GEMV
 // 10-20 points further below the read probe (an interleaved A/B of builds, docs/performance.md).
 // The read probe prefetches as far ahead, so that it bounds what the GEMV's loads can read: on a
-// Zen 5 EPYC the probe without it read 15% less than with it, and less than the GEMV itself.
+// Zen 5 EPYC the probe without it read 12-19% less than with it, and less than the GEMV itself.
 constexpr int64_t PF_BYTES = 8192;
 
 // Bytes from one activation row to the next: Kp, plus one cache line where Kp is an even number of
