@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -58,7 +59,7 @@ def _server(cfg: str, root: str, shape: str) -> VllmServer:
 def _row(cfg: str, shape: str, start: float, runs: list[dict]) -> dict:
     tpot = [r["tpot_s"] * 1000 for r in runs]
     ttft = [r["ttft_s"] * 1000 for r in runs]
-    row = {"config": cfg, "shape": shape, "startup_s": round(start, 1), "tpot_ms_median": statistics.median(tpot),
+    row = {"config": cfg, "shape": shape, "startup_s": round(start, 1), "tpot_ms_median": _spread(tpot)["median"],
            "tpot_ms": tpot, "ttft_ms_median": statistics.median(ttft), "ttft_ms": ttft, "tokens": runs[0]["tokens"]}
     print(json.dumps(row), flush=True)
     return row
@@ -107,8 +108,8 @@ def run_paired(configs: list[str], root: str, shape: str, requests: int, max_tok
             probes.append(_probe())
     rows = [_row(cfg, shape, start, runs[cfg]) for cfg, _, start in servers]
     for r in rows:
-        r["paired_ratio"] = _spread(t / b for t, b in zip(r["tpot_ms"], rows[0]["tpot_ms"]))
-        r["paired_ttft_ratio"] = _spread(t / b for t, b in zip(r["ttft_ms"], rows[0]["ttft_ms"]))
+        r["paired_ratio"] = _spread(t / b if b else math.nan for t, b in zip(r["tpot_ms"], rows[0]["tpot_ms"]))
+        r["paired_ttft_ratio"] = _spread(t / b if b else math.nan for t, b in zip(r["ttft_ms"], rows[0]["ttft_ms"]))
     return rows, [max(a, b) for a, b in zip(probes, probes[1:])]
 
 
@@ -117,7 +118,11 @@ def _probe() -> float:
 
 
 def _spread(values) -> dict:
-    v = sorted(values)
+    """Median and range of the measured values: a round whose TPOT could not be timed (NaN, see
+    chat_once) drops out, of its own row and of every ratio it is part of."""
+    v = sorted(x for x in values if math.isfinite(x))
+    if not v:
+        return {"median": math.nan, "min": math.nan, "max": math.nan}
     return {"median": statistics.median(v), "min": v[0], "max": v[-1]}
 
 

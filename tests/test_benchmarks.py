@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -263,16 +265,18 @@ def test_tpot_script_pairs_the_configs_round_by_round(tmp_path):
         assert llama["tokens"] == 6 and len(llama["tpot_ms"]) == 3 and llama["paired_ratio"]["min"] > 0
         assert llama["bytes_per_token"] == q8_0_bytes("tiny")
     assert rep["paired"] and len(first["tpot_ms"]) == len(second["tpot_ms"]) == 3
+    # a round whose text came in one chunk has no TPOT (NaN: a tiny model on a fast CPU) and drops out
     assert first["paired_ratio"] == {"median": 1.0, "min": 1.0, "max": 1.0}
-    ratios = sorted(t / b for t, b in zip(second["tpot_ms"], first["tpot_ms"]))
-    assert second["paired_ratio"]["median"] == pytest.approx(ratios[1]) and second["paired_ratio"]["min"] > 0
+    ratios = [t / b for t, b in zip(second["tpot_ms"], first["tpot_ms"]) if math.isfinite(t / b)]
+    assert ratios and second["paired_ratio"]["median"] == pytest.approx(statistics.median(ratios))
+    assert second["paired_ratio"]["min"] > 0
     ttft = sorted(t / b for t, b in zip(second["ttft_ms"], first["ttft_ms"]))  # TTFT too, round by round
     assert second["paired_ttft_ratio"]["median"] == pytest.approx(ttft[1]) and len(second["ttft_ms"]) == 3
     g = rep["round_gbs"]
     assert len(g) == 3 and min(g) > 0
     for row in rep["rows"]:  # TPOT over the bound round by round, at the probes beside each round
-        want = sorted(t / (row["bytes_per_token"] / (x * 1e9) * 1e3) for t, x in zip(row["tpot_ms"], g))
-        assert row["bound_ratio_per_round"]["median"] == pytest.approx(want[1])
+        want = [t / (row["bytes_per_token"] / (x * 1e9) * 1e3) for t, x in zip(row["tpot_ms"], g) if math.isfinite(t)]
+        assert row["bound_ratio_per_round"]["median"] == pytest.approx(statistics.median(want))
     md = (out / [n for n in os.listdir(out) if n.endswith(".md")][0]).read_text()
     assert md.startswith(rep["cpu"]) and "round-robin" in md and "per round:" in md and "between rounds" in md
     assert rep["gap_s"] == 1.5 and "1.5 s apart" in md  # the default quiet before each request

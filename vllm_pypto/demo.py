@@ -21,7 +21,9 @@ PROMPT = "介绍一下北京故宫"
 
 
 def chat_once(base_url: str, model: str, prompt: str, max_tokens: int, extra_body: dict | None = None) -> dict:
-    """One streamed chat request; TTFT = first content token, TPOT = the rest per token.
+    """One streamed chat request; TTFT = first content token, TPOT = the rest per token, NaN where
+    all the text came in one chunk (nothing to time between tokens: a tiny model on a fast CPU, or a
+    detokenizer holding back a random model's partial characters).
     extra_body: the request's non-OpenAI fields (default: vLLM's, no thinking and ignore_eos)."""
     from openai import OpenAI
 
@@ -43,7 +45,7 @@ def chat_once(base_url: str, model: str, prompt: str, max_tokens: int, extra_bod
             parts.append(chunk.choices[0].delta.content)
     n = completion_tokens or len(parts)
     return {"text": "".join(parts), "tokens": n, "ttft_s": (first or t0) - t0,
-            "tpot_s": ((last - first) / (n - 1)) if first and n > 1 else float("nan")}
+            "tpot_s": ((last - first) / (n - 1)) if len(parts) > 1 and n > 1 else float("nan")}
 
 
 def show_progress(seconds: float, line: str) -> None:
