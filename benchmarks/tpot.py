@@ -108,8 +108,8 @@ def run_paired(configs: list[str], root: str, shape: str, requests: int, max_tok
             probes.append(_probe())
     rows = [_row(cfg, shape, start, runs[cfg]) for cfg, _, start in servers]
     for r in rows:
-        r["paired_ratio"] = _spread(t / b if b else math.nan for t, b in zip(r["tpot_ms"], rows[0]["tpot_ms"]))
-        r["paired_ttft_ratio"] = _spread(t / b if b else math.nan for t, b in zip(r["ttft_ms"], rows[0]["ttft_ms"]))
+        r["paired_ratio"] = _spread(t / b for t, b in zip(r["tpot_ms"], rows[0]["tpot_ms"]))
+        r["paired_ttft_ratio"] = _spread(t / b for t, b in zip(r["ttft_ms"], rows[0]["ttft_ms"]))
     return rows, [max(a, b) for a, b in zip(probes, probes[1:])]
 
 
